@@ -1,0 +1,31 @@
+"""fuse_plugin: a torch.compile plugin that replaces unfused attention and rotary-embedding
+subgraphs with fused custom ops (Triton kernels on CUDA).
+
+Three ways in:
+  torch.compile(model, backend="fuse_plugin")      # the named backend (entry point)
+  import fuse_plugin; torch.compile(model)          # automatic patch (FUSE_PLUGIN_AUTOPATCH=0 opts out)
+  fuse_plugin.explain(model, *inputs)               # what would be fused, and why not
+"""
+from __future__ import annotations
+
+from . import ops  # noqa: F401  (registers torch.ops.fuse_plugin.*)
+from .api import apply_rotary, apply_rotary_qk, attention
+from .autopatch import install, installed, uninstall
+from .explain import explain
+from .settings import disabled
+
+__all__ = [
+    "attention",
+    "apply_rotary",
+    "apply_rotary_qk",
+    "explain",
+    "disabled",
+    "install",
+    "uninstall",
+    "installed",
+]
+__version__ = "0.1.0"
+
+from .autopatch import install_from_env as _install_from_env
+
+_install_from_env()

@@ -1,0 +1,142 @@
+"""Public functions with SDPA-like and flash-attn-like signatures; they check their input and call the ops."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .ops import attention as _attention_op  # noqa: F401  (registers the ops)
+from .ops import rotary as _rotary_op
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+def _check_tensor(name: str, t, ndim: int | None, layout: str) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have shape {layout} ({ndim} dims), got {tuple(t.shape)}")
+
+
+def _check_same(names: tuple[str, ...], tensors: tuple[Tensor, ...], attr: str) -> None:
+    values = [getattr(t, attr) for t in tensors]
+    if any(v != values[0] for v in values):
+        got = ", ".join(f"{n}: {v}" for n, v in zip(names, values))
+        raise ValueError(f"{'/'.join(names)} must have the same {attr}, got {got}")
+
+
+def _broadcasts_to(shape: tuple, target: tuple) -> bool:
+    if len(shape) > len(target):
+        return False
+    return all(s == 1 or s == t for s, t in zip(reversed(shape), reversed(target)))
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """softmax(q·kᵀ·scale + mask [causal]) · v, like `F.scaled_dot_product_attention`.
+
+    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq a multiple of Hkv (GQA without
+    repeating k/v); D, Dv ≤ 256. attn_mask: bool (True = attend) or additive float, broadcastable to
+    (B, Hq, Lq, Lk); it may be combined with is_causal (top-left aligned, as SDPA). scale defaults
+    to 1/sqrt(D). Returns (B, Hq, Lq, Dv) in q's dtype."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 4, "(B, H, L, D)")
+    _check_same(("q", "k", "v"), (q, k, v), "dtype")
+    _check_same(("q", "k", "v"), (q, k, v), "device")
+    b, hq, lq, d = q.shape
+    _, hkv, lk, _ = k.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"q, k, v must share the batch size B: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[-1] != d:
+        raise ValueError(f"k must have shape (B, Hkv, Lk, D) with q's head dim D={d}, got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must have shape (B, Hkv, Lk, Dv) = ({b}, {hkv}, {lk}, Dv) like k, got {tuple(v.shape)}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"q's head count Hq={hq} must be a multiple of k/v's head count Hkv={hkv}")
+    if d > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"head dims must be at most {MAX_HEAD_DIM}: q/k have D={d}, v has Dv={v.shape[-1]}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a Tensor or None, got {type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in _FLOATS:
+            raise TypeError(f"attn_mask must be bool or a float dtype, got {attn_mask.dtype}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask must be on q's device {q.device}, got {attn_mask.device}")
+        if not _broadcasts_to(tuple(attn_mask.shape), (b, hq, lq, lk)):
+            raise ValueError(
+                f"attn_mask must be broadcastable to (B, Hq, Lq, Lk) = {(b, hq, lq, lk)}, got {tuple(attn_mask.shape)}"
+            )
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    out, _ = torch.ops.fuse_plugin.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal), float(scale))
+    return out
+
+
+def _rotary_dim(x: Tensor, cos: Tensor, rotary_dim: int | None) -> int:
+    d, w = x.shape[-1], cos.shape[-1]
+    if rotary_dim is None:
+        # full-width tables (HF) cover the whole head; narrower ones are half width (flash-attn)
+        rotary_dim = d if w == d else 2 * w
+    if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
+        raise ValueError(f"rotary_dim must be an even int in (0, D={d}], got {rotary_dim}")
+    if w not in (rotary_dim, rotary_dim // 2):
+        raise ValueError(
+            f"cos/sin last dim must be rotary_dim={rotary_dim} (full width) or {rotary_dim // 2} (half width), got {w}"
+        )
+    return rotary_dim
+
+
+def _check_tables(xs: tuple[tuple[str, Tensor], ...], cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int | None) -> int:
+    for name, t in xs:
+        _check_tensor(name, t, None, "(..., D)")
+        if t.dim() < 1:
+            raise ValueError(f"{name} must have shape (..., D), got a 0-d tensor")
+    _check_tensor("cos", cos, None, "(..., W)")
+    _check_tensor("sin", sin, None, "(..., W)")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    _check_same(tuple(n for n, _ in xs) + ("cos", "sin"), tuple(t for _, t in xs) + (cos, sin), "device")
+    x0 = xs[0][1]
+    if any(t.shape[-1] != x0.shape[-1] for _, t in xs):
+        raise ValueError("q and k must have the same head dim D")
+    rd = _rotary_dim(x0, cos, rotary_dim)
+    for name, t in xs:
+        if not _broadcasts_to(tuple(cos.shape[:-1]), tuple(t.shape[:-1])):
+            raise ValueError(
+                f"cos/sin of shape {tuple(cos.shape)} must broadcast to {name}'s leading dims "
+                f"{tuple(t.shape[:-1])} + (W,) (align them like the eager `{name} * cos`)"
+            )
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
+    return rd
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, rotary_dim: int | None = None) -> Tensor:
+    """Rotary embedding of x's last dim: `x·cos + rotate(x)·sin` on the first rotary_dim channels.
+
+    x (..., D), any layout; cos/sin broadcast against x like the eager expression `x * cos` (so
+    for x (B, L, H, D) pass cos (L, 1, W)). W = rotary_dim (full width, HF tables) or rotary_dim / 2
+    (half width, flash-attn tables); rotary_dim defaults to D for full-width tables, 2·W otherwise.
+    interleaved=False rotates halves (NeoX/HF `rotate_half`); True rotates adjacent pairs (GPT-J).
+    Channels past rotary_dim pass through. Output dtype = promote(x, cos, sin), as eager."""
+    rd = _check_tables((("x", x),), cos, sin, interleaved, rotary_dim)
+    return _rotary_op.rotary(x, cos, sin, interleaved, rd)
+
+
+def apply_rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, rotary_dim: int | None = None) -> tuple[Tensor, Tensor]:
+    """`apply_rotary` of q and of k (their head counts may differ) in one kernel launch."""
+    rd = _check_tables((("q", q), ("k", k)), cos, sin, interleaved, rotary_dim)
+    return _rotary_op.rotary_qk(q, k, cos, sin, interleaved, rd)

@@ -1,0 +1,94 @@
+"""Automatic patch: plain `torch.compile(model)` rewrites after `import fuse_plugin`.
+
+Installs an Inductor `pre_grad_custom_pass` (it runs on the Dynamo graph before AOTAutograd, so
+before Inductor's own fuse_attention) that chains whatever pass the user had set. Opt out with
+`FUSE_PLUGIN_AUTOPATCH=0` before the import, `fuse_plugin.uninstall()`, or `fuse_plugin.disabled()`
+around the call that compiles. torch 2.11 takes a single callable in the hook, so chaining is ours.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+
+from . import settings
+
+_PACKAGE = Path(__file__).resolve().parent
+_suppress = threading.local()
+
+
+@functools.lru_cache(maxsize=1)
+def _source_hash() -> str:
+    """Hash of the rewrite's code: a change to any pattern invalidates cached graphs."""
+    h = hashlib.sha256()
+    for path in sorted(_PACKAGE.rglob("*.py")):
+        h.update(path.relative_to(_PACKAGE).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+class FusePluginPass(CustomGraphPass):
+    """Our rewrite, then the pass that was installed before us (if any)."""
+
+    def __init__(self, chained: Any = None):
+        self.chained = chained
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module if isinstance(graph, fx.Graph) else graph
+        if settings.rewrite_enabled() and not getattr(_suppress, "on", False) and gm is not None:
+            from .patterns import rewrite
+
+            rewrite(gm)
+        for p in get_custom_graph_passes(self.chained):
+            p(graph)
+
+    def uuid(self) -> Any:
+        parts = [_source_hash(), settings.key(), f"suppressed={getattr(_suppress, 'on', False)}"]
+        for p in get_custom_graph_passes(self.chained):
+            u = p.uuid() if hasattr(p, "uuid") else None
+            if u is None:
+                return None  # an un-hashable chained pass: no caching, as Inductor would do
+            parts.append(repr(u))
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def installed() -> bool:
+    return isinstance(inductor_config.pre_grad_custom_pass, FusePluginPass)
+
+
+def install() -> None:
+    """Install the automatic patch (idempotent); keeps any pass already set, run after ours."""
+    if not installed():
+        inductor_config.pre_grad_custom_pass = FusePluginPass(inductor_config.pre_grad_custom_pass)
+
+
+def uninstall() -> None:
+    """Remove the automatic patch, restoring the pass that was set before it."""
+    current = inductor_config.pre_grad_custom_pass
+    if isinstance(current, FusePluginPass):
+        inductor_config.pre_grad_custom_pass = current.chained
+
+
+def install_from_env() -> None:
+    if os.environ.get("FUSE_PLUGIN_AUTOPATCH", "1").strip().lower() not in ("0", "false", "no", "off"):
+        install()
+
+
+@contextlib.contextmanager
+def suppressed():
+    """The backend already rewrote the graph: the pre-grad pass must not run again."""
+    old = getattr(_suppress, "on", False)
+    _suppress.on = True
+    try:
+        yield
+    finally:
+        _suppress.on = old

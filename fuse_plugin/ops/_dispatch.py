@@ -1,0 +1,54 @@
+"""Which implementation an op runs on a given device.
+
+CUDA tensors go to the Triton kernels. CPU tensors go to the plain-torch reference,
+unless `FUSE_PLUGIN_CPU_KERNELS=triton`: then the Triton kernels run in Triton's
+interpreter (how CI tests the kernels without a GPU). The interpreter must be switched
+on with `TRITON_INTERPRET=1` before triton is first imported.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+_ENV = "FUSE_PLUGIN_CPU_KERNELS"
+
+
+def cpu_runs_triton() -> bool:
+    choice = os.environ.get(_ENV, "reference")
+    if choice == "reference":
+        return False
+    if choice != "triton":
+        raise ValueError(f"{_ENV} must be 'reference' or 'triton', got {choice!r}")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"{_ENV}=triton runs the Triton kernels on the CPU in Triton's interpreter, "
+            "which needs TRITON_INTERPRET=1 set before triton is imported"
+        )
+    return True
+
+
+def runs_triton(*tensors: torch.Tensor) -> bool:
+    """True when an op on these tensors (same device) should launch its Triton kernel."""
+    if any(t.dtype == torch.float64 for t in tensors):  # float64 stays on the exact reference
+        return False
+    device = tensors[0].device.type
+    if device == "cuda":
+        return True
+    return device == "cpu" and cpu_runs_triton()
+
+
+@contextlib.contextmanager
+def cpu_kernels(choice: str):
+    """Temporarily pick the CPU implementation: 'triton' (interpreter) or 'reference'."""
+    old = os.environ.get(_ENV)
+    os.environ[_ENV] = choice
+    try:
+        cpu_runs_triton()  # validate early, with a clear message
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(_ENV, None)
+        else:
+            os.environ[_ENV] = old

@@ -1,0 +1,130 @@
+"""`fuse_plugin::attention` and its backward op.
+
+    out, lse = torch.ops.fuse_plugin.attention(q, k, v, attn_bias, dropout_p, is_causal, scale)
+
+computes softmax(q·kᵀ·scale + bias [causal]) · v with
+  q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq a multiple of Hkv (GQA: q head h
+  reads kv head h // (Hq // Hkv); the kernels never materialise repeated K/V);
+  attn_bias None or broadcastable to (B, Hq, Lq, Lk): bool (True = keep) or additive float;
+  is_causal top-left aligned like SDPA's `is_causal`: key j is visible to query i iff j <= i,
+  also when Lq != Lk (so with Lq > Lk every row still sees key 0; a KV-cache decode step
+  wants bottom-right alignment and must pass an explicit mask instead).
+Outputs: out (B, Hq, Lq, Dv) contiguous in q's dtype, lse (B, Hq, Lq) float32 (natural log).
+lse is not differentiable. dropout_p > 0 is not implemented yet (the recogniser leaves such
+subgraphs alone); `dropout_seed` is reserved for it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _dispatch, reference
+
+
+def _kernels():
+    from ..kernels import attention as kernels  # imported late: see TRITON_INTERPRET in _dispatch
+
+    return kernels
+
+
+def _no_dropout(dropout_p: float) -> None:
+    if dropout_p != 0.0:
+        raise NotImplementedError("fuse_plugin::attention: dropout_p > 0 is not implemented yet")
+
+
+def _bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+    """The bias as a (B, Hq, Lq, Lk) view: broadcast dims get stride 0, nothing is copied."""
+    if attn_bias is None:
+        return None
+    return attn_bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+@torch.library.custom_op("fuse_plugin::attention", mutates_args=())
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_bias: Optional[Tensor],
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    dropout_seed: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
+    _no_dropout(dropout_p)
+    bias = _bias_4d(attn_bias, q, k)
+    if _dispatch.runs_triton(q):
+        return _kernels().attention_forward(q, k, v, bias, is_causal=is_causal, scale=scale)
+    return reference.attention_forward(q, k, v, bias, is_causal, scale)
+
+
+@attention.register_fake
+def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
+    b, hq, lq, _ = q.shape
+    out = q.new_empty((b, hq, lq, v.shape[-1]))
+    lse = q.new_empty((b, hq, lq), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("fuse_plugin::attention_backward", mutates_args=())
+def attention_backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_bias: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+    dropout_seed: Optional[Tensor],
+    need_dbias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
+    _no_dropout(dropout_p)
+    bias = _bias_4d(attn_bias, q, k)
+    if _dispatch.runs_triton(q):
+        dq, dk, dv, ds = _kernels().attention_backward(
+            dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias
+        )
+    else:
+        dq, dk, dv, ds = reference.attention_backward(dout, q, k, v, bias, is_causal, scale, need_dbias)
+    if need_dbias:
+        dbias = ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype).contiguous()
+    else:
+        dbias = q.new_empty((0,))
+    return dq, dk, dv, dbias
+
+
+@attention_backward.register_fake
+def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_seed, need_dbias):
+    dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        k, memory_format=torch.contiguous_format
+    ), torch.empty_like(v, memory_format=torch.contiguous_format), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, attn_bias, out, lse, dropout_seed)
+    ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, attn_bias, out, lse, dropout_seed = ctx.saved_tensors
+    if dout is None:
+        return None, None, None, None, None, None, None, None
+    need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dbias = attention_backward(
+        dout, q, k, v, attn_bias, out, lse, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed, need_dbias
+    )
+    return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)

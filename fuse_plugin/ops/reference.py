@@ -1,0 +1,145 @@
+"""Plain-torch reference implementations of the fused ops.
+
+They define the semantics the Triton kernels must reproduce, and they are the CPU
+kernels of the custom ops. Math runs in float32 (float64 when an input is float64);
+results are cast to the output dtype at the end, as the kernels do.
+
+Shapes (see `fuse_plugin.ops.attention` / `fuse_plugin.ops.rotary` for the op contracts):
+  attention: q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq % Hkv == 0,
+             bias broadcastable to (B, Hq, Lq, Lk); out (B, Hq, Lq, Dv), lse (B, Hq, Lq) fp32.
+  rotary:    x (..., D); cos/sin broadcastable to x[..., :W] with W = rotary_dim (full width)
+             or rotary_dim // 2 (half width: one value per channel pair).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 if any input is float64, else float32."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _grouped(t: Tensor, groups: int) -> Tensor:
+    """(B, Hq, L, X) → (B, Hkv, G, L, X): the q heads that share one kv head."""
+    b, h, l, x = t.shape
+    return t.reshape(b, h // groups, groups, l, x)
+
+
+def causal_keep(lq: int, lk: int, device: torch.device) -> Tensor:
+    """(Lq, Lk) bool, True where key j is visible to query i: j <= i (top-left aligned, as SDPA)."""
+    return torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
+
+
+def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Softmax weights P (B, Hkv, G, Lq, Lk) in the compute dtype and lse (B, Hq, Lq)."""
+    ct = compute_dtype(q, k, bias)
+    b, hq, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    s = _grouped(q.to(ct), g) @ k.to(ct).unsqueeze(2).transpose(-1, -2) * scale
+    s = s.reshape(b, hq, lq, lk)
+    if bias is not None:
+        if bias.dtype == torch.bool:
+            s = s.masked_fill(~bias, float("-inf"))
+        else:
+            s = s + bias.to(ct)
+    if is_causal:
+        s = s.masked_fill(~causal_keep(lq, lk, q.device), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    # A row masked everywhere has lse = -inf and P = NaN, exactly as eager softmax gives.
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return _grouped(p, g), lse
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    p, lse = attention_probs(q, k, bias, is_causal, scale)
+    out = p @ v.to(p.dtype).unsqueeze(2)
+    b, hq, lq = lse.shape
+    out = out.reshape(b, hq, lq, v.shape[-1]).to(q.dtype)
+    return out.contiguous(), lse.float().contiguous()
+
+
+def attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float, need_dbias: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """dq, dk, dv (input dtypes) and dS (B, Hq, Lq, Lk) in the compute dtype when need_dbias."""
+    p, _ = attention_probs(q, k, bias, is_causal, scale)  # (B, Hkv, G, Lq, Lk)
+    ct = p.dtype
+    g = q.shape[1] // k.shape[1]
+    do = _grouped(dout.to(ct), g)
+    vv = v.to(ct).unsqueeze(2)
+    dv = (p.transpose(-1, -2) @ do).sum(2)
+    dp = do @ vv.transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dq = (ds @ k.to(ct).unsqueeze(2)) * scale
+    dk = (ds.transpose(-1, -2) @ _grouped(q.to(ct), g)).sum(2) * scale
+    b, hq, lq, d = q.shape
+    dq = dq.reshape(b, hq, lq, d)
+    dbias = ds.reshape(b, hq, lq, k.shape[2]) if need_dbias else None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+def _split_pairs(t: Tensor, interleaved: bool, width: int) -> tuple[Tensor, Tensor]:
+    """The two members of each rotated channel pair among t[..., :width]."""
+    if interleaved:
+        return t[..., 0:width:2], t[..., 1:width:2]
+    half = width // 2
+    return t[..., :half], t[..., half:width]
+
+
+def _join_pairs(a: Tensor, b: Tensor, interleaved: bool) -> Tensor:
+    if interleaved:
+        return torch.stack((a, b), dim=-1).flatten(-2)
+    return torch.cat((a, b), dim=-1)
+
+
+def _cos_sin_pairs(cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int, ct: torch.dtype):
+    """(c1, c2, s1, s2): the cos/sin values for the first and second member of each pair."""
+    cos, sin = cos.to(ct), sin.to(ct)
+    if cos.shape[-1] == rotary_dim // 2:  # half width: one value per pair
+        return cos, cos, sin, sin
+    c1, c2 = _split_pairs(cos, interleaved, rotary_dim)
+    s1, s2 = _split_pairs(sin, interleaved, rotary_dim)
+    return c1, c2, s1, s2
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int, backward: bool = False, out_dtype: torch.dtype | None = None) -> Tensor:
+    """Forward: out = x·cos + rotate(x)·sin on x[..., :rotary_dim]; the tail passes through.
+
+    backward=True applies the transpose of that linear map (the gradient w.r.t. x)."""
+    ct = compute_dtype(x, cos, sin)
+    out_dtype = out_dtype or torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+    xf = x.to(ct)
+    x1, x2 = _split_pairs(xf, interleaved, rotary_dim)
+    c1, c2, s1, s2 = _cos_sin_pairs(cos, sin, interleaved, rotary_dim, ct)
+    if backward:
+        o1, o2 = x1 * c1 + x2 * s2, x2 * c2 - x1 * s1
+    else:
+        o1, o2 = x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    rotated = _join_pairs(o1, o2, interleaved)
+    out = torch.cat((rotated, xf[..., rotary_dim:]), dim=-1) if rotary_dim < x.shape[-1] else rotated
+    return out.to(out_dtype).contiguous()
+
+
+def rotary_cos_sin_grads(grad: Tensor, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int) -> tuple[Tensor, Tensor]:
+    """Gradients w.r.t. cos and sin (learned frequencies), reduced to their own shapes."""
+    ct = compute_dtype(grad, x, cos, sin)
+    g1, g2 = _split_pairs(grad.to(ct), interleaved, rotary_dim)
+    x1, x2 = _split_pairs(x.to(ct), interleaved, rotary_dim)
+    # out1 = x1·c1 − x2·s1 ; out2 = x2·c2 + x1·s2
+    dc1, dc2, ds1, ds2 = g1 * x1, g2 * x2, -g1 * x2, g2 * x1
+    if cos.shape[-1] == rotary_dim // 2:
+        dcos, dsin = dc1 + dc2, ds1 + ds2
+    else:
+        dcos, dsin = _join_pairs(dc1, dc2, interleaved), _join_pairs(ds1, ds2, interleaved)
+    return dcos.sum_to_size(cos.shape).to(cos.dtype), dsin.sum_to_size(sin.shape).to(sin.dtype)

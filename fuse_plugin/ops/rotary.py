@@ -1,0 +1,181 @@
+"""`fuse_plugin::rotary`, `fuse_plugin::rotary_qk` and their backward ops.
+
+    out = torch.ops.fuse_plugin.rotary(x, cos, sin, interleaved, rotary_dim)
+
+rotates the first `rotary_dim` (R, even) channels of x's last dim; channels [R:] pass through.
+  x (..., D), any strides; cos/sin broadcastable to x.shape[:-1] + (W,) with W = R (full width:
+  one value per channel, as HF's `cat((freqs, freqs))` tables) or W = R // 2 (half width: one
+  value per channel pair, as flash-attn's tables).
+  interleaved=False: half-split pairs (i, i + R/2) — HF `rotate_half`, GPT-NeoX;
+  interleaved=True:  adjacent pairs (2j, 2j + 1) — GPT-J `rotate_every_two`, Meta's complex rope.
+Per pair (a, b) with the cos/sin values (c1, s1) of its first and (c2, s2) of its second channel:
+  out_a = a·c1 − b·s1,  out_b = b·c2 + a·s2       (the eager `x·cos + rotate_half(x)·sin`).
+Math in float32; the output is contiguous, in the dtype the eager expression gives
+(`promote_types(x, cos, sin)`). `rotary_qk` does q and k in one launch. Gradients flow to x and,
+for learned frequencies, to cos/sin.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _dispatch, reference
+
+
+def _kernels():
+    from ..kernels import rotary as kernels  # imported late: see TRITON_INTERPRET in _dispatch
+
+    return kernels
+
+
+def out_dtype(x: Tensor, cos: Tensor, sin: Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+
+
+def _as_4d(t: Tensor) -> Tensor:
+    """(..., D) → (A, B, C, D): pad leading dims with 1s, or merge the extra leading ones."""
+    while t.dim() < 4:
+        t = t.unsqueeze(0)
+    if t.dim() > 4:
+        t = t.flatten(0, t.dim() - 4)
+    return t
+
+
+def _tables_4d(x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin as stride-0 views with x's leading dims, in the kernel's 4-D layout."""
+    shape = (*x.shape[:-1], cos.shape[-1])
+    return _as_4d(cos.expand(shape)), _as_4d(sin.expand(shape))
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int, backward: bool, dtype: torch.dtype) -> Tensor:
+    if _dispatch.runs_triton(x, cos, sin):
+        c4, s4 = _tables_4d(x, cos, sin)
+        out = _kernels().rotary_forward(
+            _as_4d(x), c4, s4, interleaved=interleaved, rotary_dim=rotary_dim, backward=backward, out_dtype=dtype
+        )
+        return out.view(x.shape)
+    return reference.rotary(x, cos, sin, interleaved, rotary_dim, backward=backward, out_dtype=dtype)
+
+
+def _rotate_qk(q, k, cos, sin, interleaved, rotary_dim, backward, q_dtype, k_dtype) -> tuple[Tensor, Tensor]:
+    if _dispatch.runs_triton(q, k, cos, sin):
+        cq, sq = _tables_4d(q, cos, sin)
+        ck, sk = _tables_4d(k, cos, sin)
+        qo, ko = _kernels().rotary_qk_forward(
+            _as_4d(q), _as_4d(k), cq, sq, ck, sk, interleaved=interleaved, rotary_dim=rotary_dim,
+            backward=backward, q_out_dtype=q_dtype, k_out_dtype=k_dtype,
+        )
+        return qo.view(q.shape), ko.view(k.shape)
+    return (
+        reference.rotary(q, cos, sin, interleaved, rotary_dim, backward=backward, out_dtype=q_dtype),
+        reference.rotary(k, cos, sin, interleaved, rotary_dim, backward=backward, out_dtype=k_dtype),
+    )
+
+
+# --------------------------------------------------------------------------- single tensor
+
+
+@torch.library.custom_op("fuse_plugin::rotary", mutates_args=())
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int) -> Tensor:
+    return _rotate(x, cos, sin, interleaved, rotary_dim, False, out_dtype(x, cos, sin))
+
+
+@rotary.register_fake
+def _(x, cos, sin, interleaved, rotary_dim):
+    return x.new_empty(x.shape, dtype=out_dtype(x, cos, sin))
+
+
+@torch.library.custom_op("fuse_plugin::rotary_backward", mutates_args=())
+def rotary_backward(grad: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int, x_dtype: torch.dtype) -> Tensor:
+    """The gradient w.r.t. x: the transpose of the rotation (by −θ when cos/sin halves agree)."""
+    return _rotate(grad, cos, sin, interleaved, rotary_dim, True, x_dtype)
+
+
+@rotary_backward.register_fake
+def _(grad, cos, sin, interleaved, rotary_dim, x_dtype):
+    return grad.new_empty(grad.shape, dtype=x_dtype)
+
+
+def _tables_need_grad(ctx) -> bool:
+    return ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+
+
+def _rotary_setup_context(ctx, inputs, output):
+    x, cos, sin, interleaved, rotary_dim = inputs
+    ctx.interleaved, ctx.rotary_dim, ctx.x_dtype = interleaved, rotary_dim, x.dtype
+    # x is kept alive only for learned frequencies (dcos = g·x needs it).
+    ctx.save_for_backward(cos, sin, x if _tables_need_grad(ctx) else None)
+
+
+def _rotary_backward(ctx, grad):
+    cos, sin, x = ctx.saved_tensors
+    dx = rotary_backward(grad, cos, sin, ctx.interleaved, ctx.rotary_dim, ctx.x_dtype) if ctx.needs_input_grad[0] else None
+    dcos = dsin = None
+    if x is not None:
+        dcos, dsin = reference.rotary_cos_sin_grads(grad, x, cos, sin, ctx.interleaved, ctx.rotary_dim)
+    return dx, dcos, dsin, None, None
+
+
+rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup_context)
+
+
+# --------------------------------------------------------------------------- q and k together
+
+
+@torch.library.custom_op("fuse_plugin::rotary_qk", mutates_args=())
+def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int) -> tuple[Tensor, Tensor]:
+    """q and k (which may differ in head count) rotated by the same tables, in one launch."""
+    return _rotate_qk(q, k, cos, sin, interleaved, rotary_dim, False, out_dtype(q, cos, sin), out_dtype(k, cos, sin))
+
+
+@rotary_qk.register_fake
+def _(q, k, cos, sin, interleaved, rotary_dim):
+    return q.new_empty(q.shape, dtype=out_dtype(q, cos, sin)), k.new_empty(k.shape, dtype=out_dtype(k, cos, sin))
+
+
+@torch.library.custom_op("fuse_plugin::rotary_qk_backward", mutates_args=())
+def rotary_qk_backward(
+    grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int,
+    q_dtype: torch.dtype, k_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    return _rotate_qk(grad_q, grad_k, cos, sin, interleaved, rotary_dim, True, q_dtype, k_dtype)
+
+
+@rotary_qk_backward.register_fake
+def _(grad_q, grad_k, cos, sin, interleaved, rotary_dim, q_dtype, k_dtype):
+    return grad_q.new_empty(grad_q.shape, dtype=q_dtype), grad_k.new_empty(grad_k.shape, dtype=k_dtype)
+
+
+def _rotary_qk_setup_context(ctx, inputs, output):
+    q, k, cos, sin, interleaved, rotary_dim = inputs
+    ctx.interleaved, ctx.rotary_dim, ctx.q_dtype, ctx.k_dtype = interleaved, rotary_dim, q.dtype, k.dtype
+    learned = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+    ctx.save_for_backward(cos, sin, q if learned else None, k if learned else None)
+    ctx.set_materialize_grads(False)
+
+
+def _rotary_qk_backward(ctx, grad_q, grad_k):
+    cos, sin, q, k = ctx.saved_tensors
+    # An unused output's gradient arrives as None (materialize_grads is off).
+    dq = dk = None
+    if grad_q is not None and grad_k is not None:
+        dq, dk = rotary_qk_backward(grad_q, grad_k, cos, sin, ctx.interleaved, ctx.rotary_dim, ctx.q_dtype, ctx.k_dtype)
+    else:
+        if grad_q is not None:
+            dq = rotary_backward(grad_q, cos, sin, ctx.interleaved, ctx.rotary_dim, ctx.q_dtype)
+        if grad_k is not None:
+            dk = rotary_backward(grad_k, cos, sin, ctx.interleaved, ctx.rotary_dim, ctx.k_dtype)
+    dcos = dsin = None
+    if q is not None:
+        parts = [
+            reference.rotary_cos_sin_grads(g, x, cos, sin, ctx.interleaved, ctx.rotary_dim)
+            for g, x in ((grad_q, q), (grad_k, k))
+            if g is not None
+        ]
+        if parts:
+            dcos = sum(p[0] for p in parts)
+            dsin = sum(p[1] for p in parts)
+    return dq, dk, dcos, dsin, None, None
+
+
+rotary_qk.register_autograd(_rotary_qk_backward, setup_context=_rotary_qk_setup_context)

@@ -1,0 +1,36 @@
+"""The graph rewrite: find attention and rotary subgraphs in a Dynamo FX graph and replace them.
+
+`rewrite(gm)` runs on the graph Dynamo hands to a backend (before AOTAutograd), in place, and
+returns a `Report`. Rotary runs first, so that attention sees the rotary ops feeding q and k.
+"""
+from __future__ import annotations
+
+import logging
+
+from torch import fx
+from torch._dynamo.utils import counters
+
+from .report import Miss, Report, Site
+
+log = logging.getLogger(__name__)
+
+__all__ = ["rewrite", "Report", "Site", "Miss"]
+
+
+def rewrite(gm: fx.GraphModule) -> Report:
+    from . import attention, rotary  # the pattern modules import the ops
+
+    report = Report(graphs=1)
+    rotary.rewrite(gm, report)
+    attention.rewrite(gm, report)
+    if report.sites:
+        gm.graph.lint()
+        gm.recompile()
+    for kind in ("attention", "rotary"):
+        if report.count(kind):
+            counters["fuse_plugin"][kind] += report.count(kind)
+    for s in report.sites:
+        log.info("fused %s at %s: %s", s.kind, s.source, s.detail)
+    for m in report.misses:
+        log.debug("not fused %s at %s: %s", m.kind, m.source, m.reason)
+    return report

@@ -1,0 +1,73 @@
+"""What a rewrite did: replaced sites and near misses, with their source lines."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import fx
+
+
+def source_of(node: fx.Node) -> str:
+    """`file.py:LINE  code` of the user frame that created the node (from Dynamo's stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)', trace)
+    if not frames:
+        return f"<{node.name}>"
+    path, line, code = frames[-1]
+    return f"{path.rsplit('/', 1)[-1]}:{line}  {code.strip()}"
+
+
+@dataclass
+class Site:
+    """A subgraph replaced by one of our ops."""
+
+    kind: str  # "attention" | "rotary"
+    source: str
+    detail: str = ""
+
+
+@dataclass
+class Miss:
+    """A candidate (a softmax, a cat that looked like a rotary) left as it was, and why."""
+
+    kind: str
+    source: str
+    reason: str
+
+
+@dataclass
+class Report:
+    graphs: int = 0
+    sites: list[Site] = field(default_factory=list)
+    misses: list[Miss] = field(default_factory=list)
+
+    def replaced(self, kind: str, node: fx.Node, detail: str = "") -> None:
+        self.sites.append(Site(kind, source_of(node), detail))
+
+    def missed(self, kind: str, node: fx.Node, reason: str) -> None:
+        self.misses.append(Miss(kind, source_of(node), reason))
+
+    def count(self, kind: str) -> int:
+        return sum(s.kind == kind for s in self.sites)
+
+    def extend(self, other: "Report") -> None:
+        self.graphs += other.graphs
+        self.sites += other.sites
+        self.misses += other.misses
+
+    def __str__(self) -> str:
+        rows = [("fused", s.kind, s.source, s.detail) for s in self.sites]
+        rows += [("not fused", m.kind, m.source, m.reason) for m in self.misses]
+        head = (
+            f"fuse_plugin: {len(self.sites)} site(s) fused "
+            f"({self.count('attention')} attention, {self.count('rotary')} rotary), "
+            f"{len(self.misses)} near miss(es), in {self.graphs} graph(s)"
+        )
+        if not rows:
+            return head
+        widths = [max(len(r[i]) for r in rows + [("result", "kind", "source", "detail")]) for i in range(3)]
+        lines = [head, "  ".join(h.ljust(w) for h, w in zip(("result", "kind", "source"), widths)) + "  detail / reason"]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
+        return "\n".join(lines)
+
+    __repr__ = __str__

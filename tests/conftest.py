@@ -1,0 +1,13 @@
+"""Test set-up shared by every test module.
+
+The Triton kernels are exercised on machines without a GPU through Triton's
+interpreter. `TRITON_INTERPRET` is read when a kernel is *decorated*, and
+importing `torch._dynamo` imports triton, so the variable is set here, before
+any test module (or fuse_plugin) is imported.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
