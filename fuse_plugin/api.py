@@ -89,6 +89,11 @@ def _rotary_dim(x: Tensor, cos: Tensor, rotary_dim: int | None) -> int:
     d, w = x.shape[-1], cos.shape[-1]
     if rotary_dim is None:
         # full-width tables (HF) cover the whole head; narrower ones are half width (flash-attn)
+        if w != d and 2 * w > d:
+            raise ValueError(
+                f"cos/sin last dim W={w} must be D={d} (full width) or at most D/2={d // 2} (half width); "
+                "pass rotary_dim for a partial rotary with full-width tables"
+            )
         rotary_dim = d if w == d else 2 * w
     if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > d:
         raise ValueError(f"rotary_dim must be an even int in (0, D={d}], got {rotary_dim}")

@@ -52,10 +52,11 @@ def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, 
             s = s + bias.to(ct)
     if is_causal:
         s = s.masked_fill(~causal_keep(lq, lk, q.device), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    # A row masked everywhere has lse = -inf and P = NaN, exactly as eager softmax gives.
-    p = torch.exp(s - lse.unsqueeze(-1))
-    return _grouped(p, g), lse
+    # softmax, not exp(s - lse): a row whose scores all sit near finfo.min (a padding mask over the
+    # whole row) has lse == max in float32, and eager gives uniform weights there. A row masked
+    # everywhere with -inf gives NaN, as eager.
+    p = torch.softmax(s, dim=-1)
+    return _grouped(p, g), torch.logsumexp(s, dim=-1)
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:

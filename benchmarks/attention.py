@@ -1,0 +1,158 @@
+"""Attention speed on the GPU: our op vs SDPA's flash (FA2), cuDNN and efficient backends, one run.
+
+    python benchmarks/attention.py [--quick] [--out FILE.md]
+
+TFLOP/s from the median of `triton.testing.do_bench`: fwd = 4·B·H·N²·D (×0.5 causal), bwd = 2.5×fwd.
+Main grid: bf16 and fp16, D 64 and 128, causal and not, N 1k/4k/16k with B·N = 16k and H·D = 2048.
+Extra rows: D 80/96/256, GQA (Hq/Hkv = 4, 8) against SDPA `enable_gqa=True`, an additive (B,1,N,N)
+bias against cuDNN/efficient (flash takes no mask). Also peak memory of ours at N = 4k and 16k and
+the first-call time (kernel compile, no tuning). Prints a markdown table (and writes it to --out).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fuse_plugin  # noqa: F401
+
+OPS = torch.ops.fuse_plugin
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def flops(b, h, n_q, n_k, d, causal, mode):
+    f = 4 * b * h * n_q * n_k * d * (0.5 if causal else 1.0)
+    return f * 2.5 if mode == "bwd" else f
+
+
+def bench_ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def make_inputs(b, hq, hkv, n, d, dtype, bias):
+    q = torch.randn(b, hq, n, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, requires_grad=True)
+    mask = torch.randn(b, 1, n, n, device="cuda", dtype=dtype) if bias else None
+    return q, k, v, mask
+
+
+def ours(q, k, v, mask, causal):
+    return OPS.attention(q, k, v, mask, 0.0, causal, q.shape[-1] ** -0.5)[0]
+
+
+def sdpa(backend):
+    def run(q, k, v, mask, causal):
+        with sdpa_kernel(BACKENDS[backend]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+    return run
+
+
+def time_impl(fn, q, k, v, mask, causal):
+    """(fwd ms, bwd ms) or None where the implementation refuses the case."""
+    try:
+        out = fn(q, k, v, mask, causal)
+        dout = torch.randn_like(out)
+        fwd = bench_ms(lambda: fn(q, k, v, mask, causal))
+        out = fn(q, k, v, mask, causal)
+        bwd = bench_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+        return fwd, bwd
+    except RuntimeError as e:  # e.g. a backend that does not support the shape
+        return None if "No available kernel" in str(e) or "not support" in str(e).lower() else _raise(e)
+
+
+def _raise(e):
+    raise e
+
+
+def row(label, b, hq, hkv, n, d, dtype, causal, bias, impls):
+    q, k, v, mask = make_inputs(b, hq, hkv, n, d, dtype, bias)
+    cells = []
+    for name, fn in impls.items():
+        t = time_impl(fn, q, k, v, mask, causal)
+        if t is None:
+            cells.append("—")
+        else:
+            f_tf = flops(b, hq, n, n, d, causal, "fwd") / t[0] / 1e9
+            b_tf = flops(b, hq, n, n, d, causal, "bwd") / t[1] / 1e9
+            cells.append(f"{f_tf:.0f} / {b_tf:.0f}")
+    del q, k, v, mask
+    torch.cuda.empty_cache()
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def peak_memory_gb(n, d=128, dtype=torch.bfloat16):
+    b, h = max(1, 16384 // n), 2048 // d
+    q, k, v, _ = make_inputs(b, h, h, n, d, dtype, False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = ours(q, k, v, None, True)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="N = 4k only, fewer extra rows")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    t0 = time.perf_counter()
+    q, k, v, _ = make_inputs(1, 2, 2, 128, 128, torch.bfloat16, False)
+    out = ours(q, k, v, None, True)
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    torch.cuda.synchronize()
+    first_call = time.perf_counter() - t0
+
+    impls = {"ours": ours, **{name: sdpa(name) for name in BACKENDS}}
+    header = "| case | " + " | ".join(f"{n} fwd / bwd" for n in impls) + " |"
+    lines = [
+        f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+        f"{time.strftime('%Y-%m-%d')} | TFLOP/s (median of do_bench), fwd = 4·B·H·N²·D (×0.5 causal), bwd = 2.5× fwd",
+        "",
+        header,
+        "|" + "---|" * (len(impls) + 1),
+    ]
+    ns = [4096] if args.quick else [1024, 4096, 16384]
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in (64, 128):
+            for causal in (False, True):
+                for n in ns:
+                    b, h = 16384 // n, 2048 // d
+                    label = f"{str(dtype)[6:]} D{d} {'causal' if causal else 'full'} N{n // 1024}k (B{b} H{h})"
+                    lines.append(row(label, b, h, h, n, d, dtype, causal, False, impls))
+                    print(lines[-1], flush=True)
+    extra_n = 4096
+    for d in (80, 96, 256):
+        b, h = 16384 // extra_n, max(1, 2048 // d)
+        lines.append(row(f"bf16 D{d} causal N4k (B{b} H{h})", b, h, h, extra_n, d, torch.bfloat16, True, False, impls))
+        print(lines[-1], flush=True)
+    for groups in (4, 8):
+        hq = 2048 // 128
+        lines.append(row(f"bf16 D128 causal N4k GQA {hq}/{hq // groups}", 4, hq, hq // groups, extra_n, 128, torch.bfloat16, True, False, impls))
+        print(lines[-1], flush=True)
+    lines.append(row("bf16 D128 bias (B,1,N,N) N4k (B4 H16)", 4, 16, 16, extra_n, 128, torch.bfloat16, False, True, impls))
+    print(lines[-1], flush=True)
+    m4, m16 = peak_memory_gb(4096), peak_memory_gb(16384)
+    lines += [
+        "",
+        f"peak extra memory of ours, fwd+bwd, bf16 D128 causal, B·N = 16k: N=4k {m4:.3f} GB, N=16k {m16:.3f} GB "
+        "(inputs, outputs and grads are the same size at both N: no Lq·Lk buffer)",
+        f"first call (kernel compile, no tuning), fwd+bwd bf16 D128 causal: {first_call:.1f} s",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
