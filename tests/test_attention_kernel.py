@@ -1,0 +1,244 @@
+"""Flash-attention kernels (fuse_plugin.kernels.attention) against a float64 eager reference.
+
+Runs on the GPU when there is one, else in Triton's CPU interpreter (see conftest.py), so the
+shapes are tiny. Each case combines several features; small `config=` tiles make short sequences
+span several blocks (partial blocks, causal block skipping, BLOCK_M != BLOCK_N).
+"""
+import math
+
+import pytest
+import torch
+from helpers import DEVICE, rel_err
+
+from fuse_plugin.kernels import attention as attn
+
+NEG_INF = float("-inf")
+# The interpreter evaluates with numpy, which warns about the intended 0/0 and log2(0) of fully
+# masked rows (real ones and the padding rows of partial tiles).
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:invalid value encountered:RuntimeWarning",
+    "ignore:divide by zero encountered:RuntimeWarning")
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs_no_tf32(monkeypatch):
+    """Every kernel output starts as NaN, so an element a kernel forgets to write fails the
+    NaN checks below. fp32 is checked to 1e-5, so tf32 dots are switched off (the launcher
+    follows this flag)."""
+    monkeypatch.setattr(
+        attn, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
+                                                                device=device))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
+def reference(q, k, v, bias, is_causal, scale):
+    """float64 eager attention -> (out, lse). Fully masked rows come out as 0 rather than NaN
+    (max/sum guarded) so that autograd stays finite; the kernel's backward treats such rows as
+    contributing nothing, which is what these reference gradients are."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s.masked_fill(~bias, NEG_INF) if bias.dtype == torch.bool else s + bias
+    if is_causal:
+        Lq, Lk = s.shape[-2:]
+        visible = torch.ones(Lq, Lk, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~visible, NEG_INF)
+    with torch.no_grad():
+        lse = torch.logsumexp(s, -1)
+        m = s.amax(-1, keepdim=True)
+        m = m.masked_fill(torch.isinf(m), 0.0)
+    e = torch.exp(s - m)
+    l = e.sum(-1, keepdim=True)
+    p = e / torch.where(l > 0, l, torch.ones_like(l))
+    return p @ v, lse
+
+
+def make_qkv(B, Hq, Hkv, Lq, Lk, D, Dv, dtype, transposed):
+    """Random q, k, v; `transposed` gives the (B, L, H, D).transpose(1, 2) layout."""
+    def rand(H, L, d):
+        if transposed:
+            return torch.randn(B, L, H, d, device=DEVICE).to(dtype).transpose(1, 2)
+        return torch.randn(B, H, L, d, device=DEVICE).to(dtype)
+    return rand(Hq, Lq, D), rand(Hkv, Lk, D), rand(Hkv, Lk, Dv)
+
+
+def make_bias(kind, B, Hq, Lq, Lk, dtype):
+    shape = (B, Hq, Lq, Lk)
+    if kind is None:
+        return None
+    if kind == "float_11":  # per (query, key), shared by batch and heads
+        return (2 * torch.randn(1, 1, Lq, Lk, device=DEVICE)).to(dtype).expand(shape)
+    if kind == "float_b1":  # per (batch, key): a padding-style bias
+        return (2 * torch.randn(B, 1, 1, Lk, device=DEVICE)).to(dtype).expand(shape)
+    if kind == "bool_b1q":  # per (batch, query, key); key 0 always kept so no row is dead
+        keep = torch.rand(B, 1, Lq, Lk, device=DEVICE) > 0.4
+        keep[..., 0] = True
+        return keep.expand(shape)
+    raise ValueError(kind)
+
+
+def check_close(name, actual, expected, tol, nan_rows=None):
+    """rel_err within tol; NaN exactly on `nan_rows` (a bool mask over the leading dims)."""
+    if nan_rows is None:
+        nan_rows = torch.zeros(actual.shape[:3], dtype=torch.bool, device=actual.device)
+    nan = torch.isnan(actual)
+    if actual.dim() == 4:
+        assert nan[nan_rows].all(), f"{name}: expected NaN rows are not NaN"
+        assert not nan[~nan_rows].any(), f"{name}: unexpected NaN"
+    else:
+        assert not nan.any(), f"{name}: unexpected NaN"
+    actual, expected = actual[~nan_rows], expected[~nan_rows]
+    if expected.abs().max() < 1e-9:
+        # Analytically zero (e.g. dq and dS with a single key): rel_err is meaningless.
+        worst = actual.abs().max().item()
+        assert worst <= 1e-4, f"{name}: expected zeros, got |x| up to {worst:.3g}"
+        return
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{name}: rel_err {err:.3g} > {tol:.1g}"
+
+
+def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False,
+             dout_kind="dense", need_dbias=False, config=None, scale=None, edit_bias=None):
+    torch.manual_seed(1234)
+    scale = D ** -0.5 if scale is None else scale
+    q, k, v = make_qkv(B, Hq, Hkv, Lq, Lk, D, Dv, dtype, transposed)
+    bias_t = make_bias(bias, B, Hq, Lq, Lk, dtype)
+    if edit_bias is not None:
+        bias_t = edit_bias(bias_t)
+    if dout_kind == "expanded":  # stride 0 along the query dim
+        dout = torch.randn(B, Hq, 1, Dv, device=DEVICE).to(dtype).expand(B, Hq, Lq, Dv)
+    else:
+        dout = torch.randn(B, Hq, Lq, Dv, device=DEVICE).to(dtype)
+
+    # Reference on float64 leaves (the bias as a dense leaf, so its grad is the full dS).
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_bias = None
+    if bias_t is not None:
+        ref_bias = bias_t if bias_t.dtype == torch.bool else \
+            bias_t.detach().double().contiguous().requires_grad_()
+    ref_out, ref_lse = reference(*leaves, ref_bias, causal, scale)
+    ref_out.backward(dout.double())
+
+    cfg_f = cfg_b = None
+    if config is not None:
+        cfg_f = cfg_b = attn.AttentionConfig(*config)
+    out, lse = attn.attention_forward(q, k, v, bias_t, is_causal=causal, scale=scale, config=cfg_f)
+    assert out.shape == (B, Hq, Lq, Dv) and out.dtype == dtype and out.is_contiguous()
+    assert lse.shape == (B, Hq, Lq) and lse.dtype == torch.float32 and lse.is_contiguous()
+
+    tol = TOL[dtype]
+    dead = torch.isneginf(ref_lse)  # fully masked rows
+    check_close("out", out, ref_out, tol, nan_rows=dead)
+    assert torch.isneginf(lse[dead]).all(), "lse of a fully masked row must be -inf"
+    # Huge lse (finfo.min rows) only to fp32 relative precision; the rest by rel_err.
+    huge = ref_lse.abs() > 1e30
+    assert torch.allclose(lse[huge].double(), ref_lse[huge], rtol=1e-6, atol=0)
+    normal = ~dead & ~huge
+    lse_err = rel_err(lse[normal], ref_lse[normal])
+    assert lse_err <= tol, f"lse: rel_err {lse_err:.3g}"
+
+    dq, dk, dv, dbias = attn.attention_backward(
+        dout, q, k, v, bias_t, out, lse, is_causal=causal, scale=scale, need_dbias=need_dbias,
+        config=cfg_b)
+    for name, got, want, ref in (("dq", dq, q, leaves[0]), ("dk", dk, k, leaves[1]),
+                                 ("dv", dv, v, leaves[2])):
+        assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous(), name
+        check_close(name, got, ref.grad, tol)
+    if need_dbias:
+        assert dbias.shape == (B, Hq, Lq, Lk) and dbias.dtype == torch.float32
+        check_close("dbias", dbias, ref_bias.grad, tol)
+    else:
+        assert dbias is None
+
+
+CASES = {
+    # GQA 4/2, causal with Lq < Lk (skipped key blocks still get dS = 0), shared 2-D float
+    # bias, transposed q/k/v, dbias, 16x16 tiles.
+    "fp32-gqa-causal-floatbias-transposed-dbias": dict(
+        dtype=torch.float32, B=2, Hq=4, Hkv=2, Lq=17, Lk=33, D=16, Dv=16, causal=True,
+        bias="float_11", transposed=True, need_dbias=True, config=(16, 16, 4, 1)),
+    # MQA, causal with Lq > Lk, D=80 != Dv=48 (masked head dims), padding-style bias,
+    # stride-0 dout, dbias, BLOCK_M != BLOCK_N.
+    "fp32-mqa-causal-d80-dv48-paddingbias-expanded-dout": dict(
+        dtype=torch.float32, B=2, Hq=4, Hkv=1, Lq=33, Lk=17, D=80, Dv=48, causal=True,
+        bias="float_b1", dout_kind="expanded", need_dbias=True, config=(32, 16, 4, 1), scale=0.3),
+    # Single query row, Dv != D, bool bias, GQA, default tiles.
+    "fp16-lq1-boolbias-gqa": dict(
+        dtype=torch.float16, B=2, Hq=4, Hkv=2, Lq=1, Lk=33, D=16, Dv=32, causal=False,
+        bias="bool_b1q"),
+    # Single key, causal (every row sees key 0 only), padding bias, dbias.
+    "fp16-lk1-causal-dbias": dict(
+        dtype=torch.float16, B=1, Hq=2, Hkv=2, Lq=17, Lk=1, D=16, Dv=16, causal=True,
+        bias="float_b1", need_dbias=True, config=(16, 16, 4, 1)),
+    # bf16, MQA, causal + bool bias, D=80, transposed, stride-0 dout, 16x32 tiles.
+    "bf16-mqa-causal-boolbias-d80-transposed": dict(
+        dtype=torch.bfloat16, B=1, Hq=4, Hkv=1, Lq=33, Lk=33, D=80, Dv=80, causal=True,
+        bias="bool_b1q", transposed=True, dout_kind="expanded", config=(16, 32, 4, 1)),
+    # bf16, no bias, GQA, default tiles, Lq != Lk.
+    "bf16-nobias-gqa": dict(
+        dtype=torch.bfloat16, B=1, Hq=4, Hkv=2, Lq=33, Lk=17, D=16, Dv=16, causal=False,
+        bias=None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
+def test_attention_matches_reference(case):
+    run_case(**case)
+
+
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.float16, 128),
+                                     (torch.bfloat16, 256), (torch.float32, 192)],
+                         ids=["bf16-d64", "fp16-d128", "bf16-d256", "fp32-d192"])
+def test_default_configs(dtype, D):
+    """The default tiles of every head-dim bracket (so a GPU run compiles and checks them too)."""
+    run_case(dtype=dtype, B=1, Hq=2, Hkv=1, Lq=40, Lk=72, D=D, Dv=D, causal=True,
+             bias="float_11", need_dbias=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_and_finfo_min_rows(dtype):
+    """Row 3 of head 0 fully masked by a -inf bias (out NaN, lse -inf as eager; no NaN in any
+    gradient) and row 5 of head 1 biased by finfo.min everywhere (uniform weights as eager; its
+    gradients need the exact row statistics the backward preprocess recomputes)."""
+    def edit(bias):
+        bias = bias.clone()  # dense, so single rows can be set
+        bias[0, 0, 3, :] = NEG_INF
+        bias[0, 1, 5, :] = torch.finfo(dtype).min
+        return bias
+    run_case(dtype=dtype, B=1, Hq=2, Hkv=1, Lq=17, Lk=33, D=16, Dv=16, causal=False,
+             bias="float_11", need_dbias=True, config=(16, 16, 4, 1), edit_bias=edit)
+
+
+def test_bool_bias_dead_row():
+    """A bool bias that masks a whole row, with causal on: out NaN, lse -inf, finite grads."""
+    def edit(bias):
+        bias = bias.clone()
+        bias[1, 2, 7, :] = False
+        return bias
+    run_case(dtype=torch.float16, B=2, Hq=4, Hkv=2, Lq=17, Lk=17, D=16, Dv=16, causal=True,
+             bias="bool_b1q", config=(16, 16, 4, 1), edit_bias=edit)
+
+
+def test_configs_fit_head_dims():
+    """Default tiles are powers of 2 >= 16 for every supported head dim and dtype."""
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for d in (16, 64, 80, 96, 128, 160, 192, 256):
+            for cfg in (attn._forward_config(d, d, dtype), attn._backward_config(d, d, dtype)):
+                for blk in (cfg.block_m, cfg.block_n):
+                    assert blk >= 16 and blk & (blk - 1) == 0
+            assert attn._block_d(d) == max(16, 1 << math.ceil(math.log2(d)))
+
+
+def test_launch_checks():
+    """Bad tile sizes and layouts whose in-tile offsets would overflow int32 are refused."""
+    q = torch.randn(1, 1, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="powers of 2"):
+        attn.attention_forward(q, q, q, None, is_causal=False, scale=1.0,
+                               config=attn.AttentionConfig(24, 16, 4, 1))
+    with pytest.raises(ValueError, match="overflow int32"):
+        attn._check_tile_offsets([("bias", 2**28, 1, 16, 16)])  # 15 * 2**28 > 2**31
+    attn._check_tile_offsets([("bias", 2**28, 1, 8, 16)])  # 7 * 2**28 + 15 < 2**31
