@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._inductor import config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import settings
 
@@ -34,6 +34,13 @@ def _source_hash() -> str:
         h.update(path.relative_to(_PACKAGE).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def get_custom_graph_passes(hook: Any) -> tuple:
+    """The passes held by an Inductor hook: torch 2.13 allows a list, torch 2.11 one callable."""
+    if hook is None:
+        return ()
+    return tuple(hook) if isinstance(hook, (list, tuple)) else (hook,)
 
 
 class FusePluginPass(CustomGraphPass):
