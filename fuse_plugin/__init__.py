@@ -12,6 +12,7 @@ from . import ops  # noqa: F401  (registers torch.ops.fuse_plugin.*)
 from .api import apply_rotary, apply_rotary_qk, attention
 from .autopatch import install, installed, uninstall
 from .explain import explain
+from .hf import register_hf
 from .settings import disabled
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "install",
     "uninstall",
     "installed",
+    "register_hf",
 ]
 __version__ = "0.1.0"
 
