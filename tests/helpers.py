@@ -30,7 +30,8 @@ def op_listing(gm) -> str:
             inner = ", ".join(fmt(x) for x in a)
             return f"({inner})" if isinstance(a, tuple) else f"[{inner}]"
         if isinstance(a, slice):
-            return ":".join("" if x is None else fmt(x) for x in (a.start, a.stop, a.step)).rstrip(":") or ":"
+            parts = ["" if x is None else fmt(x) for x in (a.start, a.stop, a.step)]
+            return ":".join(parts if a.step is not None else parts[:2])
         if isinstance(a, float):
             return f"{a:.6g}"
         if isinstance(a, torch.dtype):
