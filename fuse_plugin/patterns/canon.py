@@ -26,6 +26,7 @@ _VARARGS = "*"  # marks a parameter that takes the remaining positional args (vi
 SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "matmul": (("input", _NO_DEFAULT), ("other", _NO_DEFAULT)),
     "bmm": (("input", _NO_DEFAULT), ("mat2", _NO_DEFAULT)),
+    "baddbmm": (("input", _NO_DEFAULT), ("batch1", _NO_DEFAULT), ("batch2", _NO_DEFAULT), ("beta", 1), ("alpha", 1)),
     "einsum": (("equation", _NO_DEFAULT), ("*operands", ())),
     "mul": (("input", _NO_DEFAULT), ("other", _NO_DEFAULT)),
     "div": (("input", _NO_DEFAULT), ("other", _NO_DEFAULT), ("rounding_mode", None)),
@@ -99,12 +100,18 @@ _FUNCTION_NAMES: dict[Callable, str] = {
 _METHOD_ALIASES = {"__matmul__": "matmul", "__mul__": "mul", "__truediv__": "div", "__add__": "add",
                    "__sub__": "sub", "__neg__": "neg", "__getitem__": "getitem", "true_divide": "div",
                    "multiply": "mul", "subtract": "sub", "negative": "neg", "masked_fill_": None,
-                   "bitwise_not": "invert", "__invert__": "invert"}
+                   "bitwise_not": "invert", "__invert__": "invert",
+                   # torch 2.11's Dynamo records `mask == 0` as the dunder itself
+                   "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt",
+                   "__ge__": "ge", "__pow__": "pow"}
 # Extra positional parameters of particular functions (F.softmax's `_stacklevel` sits before dtype).
 _FUNCTION_SIGNATURE_OVERRIDES: dict[Callable, tuple[tuple[str, Any], ...]] = {
     F.softmax: (("input", _NO_DEFAULT), ("dim", None), ("_stacklevel", 3), ("dtype", None)),
 }
 _TORCH_MODULES = (torch, torch.nn.functional, torch.Tensor, torch.functional)
+_TENSOR_DUNDERS: dict[Callable, str] = {
+    getattr(torch.Tensor, d): a for d, a in _METHOD_ALIASES.items() if a and d.startswith("__") and hasattr(torch.Tensor, d)
+}
 
 
 @dataclass(frozen=True)
@@ -128,6 +135,8 @@ def _name_of(node: fx.Node) -> str | None:
     target = node.target
     if target in _FUNCTION_NAMES:
         return _FUNCTION_NAMES[target]
+    if target in _TENSOR_DUNDERS:  # torch.Tensor.__eq__ and friends, called as functions
+        return _TENSOR_DUNDERS[target]
     name = getattr(target, "__name__", None)
     if name in SIGNATURES and any(getattr(m, name, None) is target for m in _TORCH_MODULES):
         return name
