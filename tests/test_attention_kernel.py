@@ -102,7 +102,8 @@ def check_close(name, actual, expected, tol, nan_rows=None):
 
 
 def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False,
-             dout_kind="dense", need_dbias=False, config=None, scale=None, edit_bias=None):
+             dout_kind="dense", need_dbias=False, config=None, scale=None, edit_bias=None,
+             deterministic=False):
     torch.manual_seed(1234)
     scale = D ** -0.5 if scale is None else scale
     q, k, v = make_qkv(B, Hq, Hkv, Lq, Lk, D, Dv, dtype, transposed)
@@ -143,7 +144,7 @@ def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False
 
     dq, dk, dv, dbias = attn.attention_backward(
         dout, q, k, v, bias_t, out, lse, is_causal=causal, scale=scale, need_dbias=need_dbias,
-        config=cfg_b)
+        config=cfg_b, deterministic=deterministic)
     for name, got, want, ref in (("dq", dq, q, leaves[0]), ("dk", dk, k, leaves[1]),
                                  ("dv", dv, v, leaves[2])):
         assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous(), name
@@ -182,12 +183,30 @@ CASES = {
     "bf16-nobias-gqa": dict(
         dtype=torch.bfloat16, B=1, Hq=4, Hkv=2, Lq=33, Lk=17, D=16, Dv=16, causal=False,
         bias=None),
+
+
+    # Split head dims (96 = 64 + 32, Dv 80 = 64 + 16), causal, key blocks wider than query
+    # blocks (several masked diagonal blocks, last key block partial), GQA, transposed.
+    "bf16-split-d96-dv80-causal-gqa": dict(
+        dtype=torch.bfloat16, B=1, Hq=4, Hkv=2, Lq=70, Lk=70, D=96, Dv=80, causal=True,
+        bias=None, transposed=True, config=(16, 64, 4, 1, True)),
+    # Split head dims with a float bias and dbias, query blocks wider than key blocks, Lq > Lk.
+    "fp16-split-d80-floatbias-dbias": dict(
+        dtype=torch.float16, B=2, Hq=2, Hkv=1, Lq=45, Lk=37, D=80, Dv=80, causal=True,
+        bias="float_11", need_dbias=True, config=(32, 16, 4, 1, True)),
+    # Non-causal, lengths that are exact multiples of the tiles (no partial block at all), a
+    # negative scale (the fully visible blocks take the row max from the raw dots).
+    "fp32-aligned-negative-scale": dict(
+        dtype=torch.float32, B=1, Hq=2, Hkv=2, Lq=32, Lk=64, D=32, Dv=32, causal=False,
+        bias=None, config=(16, 32, 4, 1), scale=-0.2),
 }
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
-def test_attention_matches_reference(case):
-    run_case(**case)
+def test_attention_matches_reference(case, deterministic):
+    """Both backward paths: the default one-kernel atomic-dQ path and the deterministic pair."""
+    run_case(**case, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.float16, 128),
@@ -227,7 +246,8 @@ def test_configs_fit_head_dims():
     """Default tiles are powers of 2 >= 16 for every supported head dim and dtype."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for d in (16, 64, 80, 96, 128, 160, 192, 256):
-            for cfg in (attn._forward_config(d, d, dtype), attn._backward_config(d, d, dtype)):
+            for cfg in (attn._forward_config(d, d, dtype), attn._backward_config(d, d, dtype),
+                        attn._deterministic_backward_config(d, d, dtype)):
                 for blk in (cfg.block_m, cfg.block_n):
                     assert blk >= 16 and blk & (blk - 1) == 0
             assert attn._block_d(d) == max(16, 1 << math.ceil(math.log2(d)))
@@ -242,3 +262,104 @@ def test_launch_checks():
     with pytest.raises(ValueError, match="overflow int32"):
         attn._check_tile_offsets([("bias", 2**28, 1, 16, 16)])  # 15 * 2**28 > 2**31
     attn._check_tile_offsets([("bias", 2**28, 1, 8, 16)])  # 7 * 2**28 + 15 < 2**31
+
+
+def test_head_dim_split():
+    """Split head dims cover d with two powers of 2 only where that saves padding."""
+    assert attn._d_parts(80, True) == (64, 16)
+    assert attn._d_parts(96, True) == (64, 32)
+    assert attn._d_parts(160, True) == (128, 32)
+    assert attn._d_parts(192, True) == (128, 64)
+    assert attn._d_parts(112, True) == (128, 0)  # 64 + 64 saves nothing
+    assert attn._d_parts(128, True) == (128, 0)
+    assert attn._d_parts(80, False) == (128, 0)
+    for d in range(16, 257):
+        d0, d1 = attn._d_parts(d, True)
+        assert d0 + d1 >= d and (d1 == 0 or d0 < d)
+
+
+@pytest.mark.parametrize("D", [64, 96])
+def test_deterministic_flag_picks_atomic_free_path(monkeypatch, D):
+    """torch.use_deterministic_algorithms(True) routes the backward to the two atomic-free
+    kernels; the results agree with the atomic path to rounding."""
+    calls = []
+    for name in ("attention_bwd_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
+        kernel = getattr(attn, name)
+
+        class Spy:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                calls.append(self.name)
+                return self.kernel[grid]
+
+        monkeypatch.setattr(attn, name, Spy(kernel, name))
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, 2, 1, 40, 40, D, D, torch.float16, False)
+    dout = torch.randn_like(q)
+    out, lse = attn.attention_forward(q, k, v, None, is_causal=True, scale=D ** -0.5)
+    grads = {}
+    for det in (False, True):
+        calls.clear()
+        with torch_deterministic(det):
+            grads[det] = attn.attention_backward(dout, q, k, v, None, out, lse, is_causal=True,
+                                                 scale=D ** -0.5, need_dbias=False)[:3]
+        want = ["attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"] if det else \
+            ["attention_bwd_kernel"]
+        assert calls == want
+    for a, b in zip(grads[False], grads[True]):
+        assert rel_err(a, b) < 2e-3
+
+
+class torch_deterministic:
+    def __init__(self, on):
+        self.on = on
+
+    def __enter__(self):
+        self.old = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(self.on)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.old)
+
+
+def test_out_of_resources_falls_back(monkeypatch):
+    """A table/heuristic config the GPU cannot hold is retried with fewer stages, then with the
+    smallest tiles (with a warning), and the working fallback is remembered; a config the user
+    passed is not second-guessed."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(attn, "_FAILED_CONFIGS", {})
+    big = attn.AttentionConfig(128, 128, 8, 3)
+    seen = []
+
+    def launch(cfg):
+        seen.append(cfg)
+        if cfg.block_m == 128:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return "ok"
+
+    with pytest.warns(RuntimeWarning, match="does not fit"):
+        assert attn._launch(launch, big, user_given=False) == "ok"
+    assert seen == [big, big._replace(num_stages=2), big._replace(num_stages=1),
+                    attn._SAFE_CONFIG]
+    seen.clear()
+    assert attn._launch(launch, big, user_given=False) == "ok"  # remembered: no retries
+    assert seen == [attn._SAFE_CONFIG]
+    with pytest.raises(OutOfResources):
+        attn._launch(launch, big, user_given=True)
+
+    seen.clear()
+    fits_with_two = attn.AttentionConfig(64, 128, 8, 4)
+    monkeypatch.setattr(attn, "_FAILED_CONFIGS", {})
+
+    def launch2(cfg):
+        seen.append(cfg)
+        if cfg.num_stages > 2:
+            raise OutOfResources(300000, 232448, "shared memory")
+        return "ok"
+
+    with pytest.warns(RuntimeWarning):
+        assert attn._launch(launch2, fits_with_two, user_given=False) == "ok"
+    assert seen[-1] == fits_with_two._replace(num_stages=2)

@@ -29,6 +29,11 @@ def _kernels():
     return kernels
 
 
+def _runs_kernel(q: Tensor, v: Tensor) -> bool:
+    """The Triton kernels take head dims 16..256 (tl.dot needs 16); smaller ones use the reference."""
+    return _dispatch.runs_triton(q) and 16 <= q.shape[-1] <= 256 and 16 <= v.shape[-1] <= 256
+
+
 def _no_dropout(dropout_p: float) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError("fuse_plugin::attention: dropout_p > 0 is not implemented yet")
@@ -55,7 +60,7 @@ def attention(
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
     _no_dropout(dropout_p)
     bias = _bias_4d(attn_bias, q, k)
-    if _dispatch.runs_triton(q):
+    if _runs_kernel(q, v):
         return _kernels().attention_forward(q, k, v, bias, is_causal=is_causal, scale=scale)
     return reference.attention_forward(q, k, v, bias, is_causal, scale)
 
@@ -86,7 +91,7 @@ def attention_backward(
     """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
     _no_dropout(dropout_p)
     bias = _bias_4d(attn_bias, q, k)
-    if _dispatch.runs_triton(q):
+    if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias
         )

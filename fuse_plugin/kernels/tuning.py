@@ -1,0 +1,137 @@
+"""Launch-configuration table of the attention kernels (``kernels/attention.py``).
+
+A table ships with the package per compute capability (``attention_configs_sm90.json`` for
+Hopper) and holds one entry set per GPU name it was tuned on. A lookup takes the entry set of
+the running GPU's name, else the first one of its compute capability (an H200 uses the H100's
+table), else nothing: the kernels then use their heuristic tiles. Nothing is autotuned at a
+user's call; ``python -m fuse_plugin.tune`` regenerates a table on the current GPU.
+
+Keys (``make_key``)::
+
+    fwd|bf16|d128|causal|none|n4096
+    kernel | dtype | head-dim bucket | full/causal | mask kind | sequence bucket
+
+* head-dim bucket: max(D, Dv) rounded up to one of ``D_BUCKETS`` (80 and 96 have their own
+  buckets: they can run as split 64+16 / 64+32 head dims).
+* mask kind: ``none``, ``bool`` (keep-mask) or ``float`` (additive bias).
+* sequence bucket: max(Lq, Lk) rounded up to one of ``SEQ_BUCKETS``; the top bucket also covers
+  longer sequences.
+
+An entry is ``[block_m, block_n, num_warps, num_stages, split_d, source]`` where source says how
+it was obtained (``tuned``, ``from:<key>`` for a copy of a tuned sibling, ``heuristic``).
+Set ``FUSE_PLUGIN_ATTENTION_TABLE`` to a JSON path to use another table file, or to ``off`` to
+use the heuristic tiles only.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+FORMAT = 1
+KERNELS = ("fwd", "bwd")
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+D_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+SEQ_BUCKETS = (1024, 4096, 16384)
+MASKS = ("none", "bool", "float")
+ENV = "FUSE_PLUGIN_ATTENTION_TABLE"
+
+
+def d_bucket(d: int, dv: int) -> int:
+    x = max(d, dv)
+    for b in D_BUCKETS:
+        if x <= b:
+            return b
+    raise ValueError(f"head dim {x} above {D_BUCKETS[-1]}")
+
+
+def seq_bucket(lq: int, lk: int) -> int:
+    x = max(lq, lk)
+    for b in SEQ_BUCKETS:
+        if x <= b:
+            return b
+    return SEQ_BUCKETS[-1]
+
+
+def make_key(kernel: str, dtype: str, dbucket: int, causal: bool, mask: str, sbucket: int) -> str:
+    return f"{kernel}|{dtype}|d{dbucket}|{'causal' if causal else 'full'}|{mask}|n{sbucket}"
+
+
+def parse_key(key: str) -> dict:
+    kernel, dtype, d, causal, mask, n = key.split("|")
+    return dict(kernel=kernel, dtype=dtype, dbucket=int(d[1:]), causal=causal == "causal",
+                mask=mask, sbucket=int(n[1:]))
+
+
+def all_keys() -> list[str]:
+    """Every key the dispatcher can ask for."""
+    return [make_key(k, dt, d, c, m, n) for k in KERNELS for dt in DTYPE_NAMES.values()
+            for d in D_BUCKETS for c in (False, True) for m in MASKS for n in SEQ_BUCKETS]
+
+
+def table_path(cc: tuple[int, int]) -> Path:
+    return Path(__file__).with_name(f"attention_configs_sm{cc[0]}{cc[1]}.json")
+
+
+def load_table(path) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(table, dict) or table.get("format") != FORMAT:
+        return None
+    return table
+
+
+def entry_to_config(entry) -> Optional[tuple]:
+    """(block_m, block_n, num_warps, num_stages, split_d) of a well-formed entry, else None."""
+    try:
+        bm, bn, w, s, split = (int(x) for x in entry[:5])
+    except (TypeError, ValueError, IndexError):
+        return None
+    pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731
+    if not (pow2(bm) and pow2(bn) and w in (1, 2, 4, 8, 16) and s >= 1):
+        return None
+    return bm, bn, w, s, bool(split)
+
+
+def select_gpu(table: dict, name: str) -> Optional[dict]:
+    gpus = table.get("gpus") or {}
+    if name in gpus:
+        return gpus[name]
+    return next(iter(gpus.values()), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _entries(device_index: int, env: Optional[str]) -> Optional[dict]:
+    if env == "off":
+        return None
+    cc = torch.cuda.get_device_capability(device_index)
+    table = load_table(env if env else table_path(cc))
+    if table is None:
+        return None
+    gpu = select_gpu(table, torch.cuda.get_device_name(device_index))
+    return None if gpu is None else gpu.get("entries")
+
+
+def lookup(kernel: str, device: torch.device, dtype: torch.dtype, d: int, dv: int, causal: bool,
+           mask: str, lq: int, lk: int) -> Optional[tuple]:
+    """The table's config for this problem on ``device`` (a CUDA device), or None."""
+    if dtype not in DTYPE_NAMES:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    entries = _entries(index, os.environ.get(ENV))
+    if not entries:
+        return None
+    key = make_key(kernel, DTYPE_NAMES[dtype], d_bucket(d, dv), causal, mask, seq_bucket(lq, lk))
+    entry = entries.get(key)
+    return None if entry is None else entry_to_config(entry)
+
+
+def clear_cache() -> None:
+    _entries.cache_clear()
