@@ -1,0 +1,141 @@
+"""End-to-end: a Llama-style HF model (built from a config, random weights, bf16) on the GPU.
+
+    python benchmarks/e2e.py --seq 2048 --batch 4 [--out FILE.md]
+
+Training step (forward + backward + fused AdamW) and inference forward, tokens/s (median of timed
+steps after warm-up/compile) and peak memory (max allocated during the timed training steps), for:
+  eager            attn_implementation="eager", no compile
+  compile          attn_implementation="eager" + stock torch.compile (our automatic patch disabled)
+  sdpa+compile     attn_implementation="sdpa"  + torch.compile
+  fuse_plugin      attn_implementation="eager" + torch.compile(backend="fuse_plugin")
+Model: 12 layers, hidden 1024, 16 heads, 4 kv heads, intermediate 4096, vocab 32000 (~250M params).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fuse_plugin
+
+VARIANTS = ("eager", "compile", "sdpa+compile", "fuse_plugin")
+
+
+def build(attn: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=16384)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn, dtype=torch.bfloat16)
+    return model.cuda()
+
+
+def prepare(variant: str):
+    model = build("sdpa" if variant == "sdpa+compile" else "eager")
+    if variant == "eager":
+        return model, model
+    if variant == "fuse_plugin":
+        return model, torch.compile(model, backend="fuse_plugin")
+    return model, torch.compile(model)  # stock inductor; callers keep fuse_plugin.disabled() around compiles
+
+
+def step_train(fn, opt, ids):
+    logits = fn(input_ids=ids).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def timed(fn, n):
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure(variant, ids, steps):
+    stock = variant in ("compile", "sdpa+compile")
+    ctx = fuse_plugin.disabled() if stock else contextlib.nullcontext()
+    tokens = ids.numel()
+    res = {}
+    with ctx:
+        model, fn = prepare(variant)
+        n_params = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(2):
+                step_train(fn, opt, ids)
+            torch.cuda.synchronize()
+            res["warmup_s"] = time.perf_counter() - t0
+            torch.cuda.reset_peak_memory_stats()
+            s = timed(lambda: step_train(fn, opt, ids), steps)
+            res["train_tok_s"] = tokens / s
+            res["train_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        except torch.OutOfMemoryError:
+            res["train_tok_s"] = None
+        opt.zero_grad(set_to_none=True)
+        del opt
+        gc.collect()
+        torch.cuda.empty_cache()
+        try:
+            with torch.no_grad():
+                for _ in range(2):
+                    fn(input_ids=ids)
+                s = timed(lambda: fn(input_ids=ids), steps)
+            res["infer_tok_s"] = tokens / s
+        except torch.OutOfMemoryError:
+            res["infer_tok_s"] = None
+    del model, fn
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    res["params_m"] = n_params / 1e6
+    return res
+
+
+def main():
+    import transformers
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    ids = torch.randint(0, 32000, (args.batch, args.seq), device="cuda")
+    lines = [
+        f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__} | "
+        f"{time.strftime('%Y-%m-%d')} | seq {args.seq} batch {args.batch} | bf16, fused AdamW, median of {args.steps} steps",
+        "",
+        "| variant | train tokens/s | inference tokens/s | train peak GB | warm-up (compile) s |",
+        "|---|---|---|---|---|",
+    ]
+    for v in args.variants.split(","):
+        r = measure(v, ids, args.steps)
+        fmt = lambda x, f: "OOM" if x is None else f.format(x)  # noqa: E731
+        lines.append(f"| {v} | {fmt(r.get('train_tok_s'), '{:.0f}')} | {fmt(r.get('infer_tok_s'), '{:.0f}')} | "
+                     f"{fmt(r.get('train_peak_gb'), '{:.1f}')} | {r.get('warmup_s', float('nan')):.0f} |")
+        print(lines[-1], f"(params {r['params_m']:.0f}M)", flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
