@@ -30,7 +30,12 @@ def poisoned_outputs_no_tf32(monkeypatch):
     monkeypatch.setattr(
         attn, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
                                                                 device=device))
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    # (not monkeypatch.setattr: cuBLASModule serves the flag through __getattr__, which newer
+    # pytest refuses to patch)
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old_tf32
 
 
 def reference(q, k, v, bias, is_causal, scale):
