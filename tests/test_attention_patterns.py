@@ -241,6 +241,74 @@ fused: scale=0.25""")
 --- report ---
 fused: scale=0.25, 3-D""")
 
+    def test_baddbmm_merged_heads_split_again(self):
+        def f(q, k, v, mask):  # HF GPT-2 with reorder_and_upcast_attn=True
+            b, h, lq, d = q.shape
+            lk = k.shape[-2]
+            w = torch.empty(b * h, lq, lk, dtype=torch.float32)
+            q3, kt3 = q.reshape(-1, lq, d), k.transpose(-1, -2).reshape(-1, d, lk)
+            w = torch.baddbmm(w, q3.float(), kt3.float(), beta=0, alpha=0.25)
+            w = w.reshape(b, h, lq, lk) + mask
+            return torch.matmul(F.softmax(w, dim=-1).type(v.dtype), v)
+
+        self.assertExpectedInline(rewrite_listing(f, *qkv(), padding_mask()), """\
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 1, 1, 8)
+3 input (2, 4, 8, 16)
+4 empty(8, 8, 8, dtype=float32)
+5 reshape(#0, (-1, 8, 16))
+6 transpose(#1, -1, -2)
+7 reshape(#6, (-1, 16, 8))
+8 float(#5)
+9 float(#7)
+10 baddbmm(#4, #8, #9, 0, 0.25)
+11 reshape(#10, (2, 4, 8, 8))
+12 add(#11, #2, 1)
+13 softmax(#12, -1, 3, None)
+14 type(#13, float32)
+15 matmul(#14, #3)
+16 output (#15)
+--- after ---
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 1, 1, 8)
+3 input (2, 4, 8, 16)
+4 fuse_plugin.attention(#0, #1, #3, #2, 0, False, 0.25)
+5 getitem(#4, 0)
+6 output (#5)
+--- report ---
+fused: scale=0.25, bias: additive mask""")
+
+    def test_bmm_merged_heads_split_again(self):
+        def f(q, k, v):  # scores of (B·H, L, D) views, split back into (B, H) for the 4-D rest
+            b, h, l, d = q.shape
+            w = torch.bmm(q.view(b * h, l, d), k.view(b * h, l, d).transpose(1, 2)).view(b, h, l, l)
+            return torch.matmul(torch.softmax(w / 4.0, dim=-1), v)
+
+        self.assertExpectedInline(rewrite_listing(f, *qkv()), """\
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 view(#0, (8, 8, 16))
+4 view(#1, (8, 8, 16))
+5 transpose(#4, 1, 2)
+6 bmm(#3, #5)
+7 view(#6, (2, 4, 8, 8))
+8 div(#7, 4, None)
+9 softmax(#8, -1, None)
+10 matmul(#9, #2)
+11 output (#10)
+--- after ---
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 fuse_plugin.attention(#0, #1, #2, None, 0, False, 0.25)
+4 getitem(#3, 0)
+5 output (#4)
+--- report ---
+fused: scale=0.25""")
+
     def test_einsum(self):
         def f(q, k, v):
             w = torch.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
@@ -1136,6 +1204,69 @@ not fused: k operand is permute(0, 2, 3, 1) of k, not a transpose of its last tw
 --- after: unchanged ---
 not fused: k operand is transpose(1, 2) of k, not a transpose of its last two dims""")
 
+    def test_negative_baddbmm_adds_its_input(self):
+        def f(q, k, v, bias):  # beta=1: the baddbmm input is a bias on the scores, not scratch space
+            b, h, l, d = q.shape
+            w = torch.baddbmm(bias, q.reshape(-1, l, d), k.reshape(-1, l, d).transpose(1, 2), beta=1, alpha=0.25)
+            return torch.matmul(F.softmax(w.view(b, h, l, l), dim=-1), v)
+
+        self.assertExpectedInline(rewrite_listing(f, *qkv(), randn(B * H, L, L)), """\
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (8, 8, 8)
+3 input (2, 4, 8, 16)
+4 reshape(#0, (-1, 8, 16))
+5 reshape(#1, (-1, 8, 16))
+6 transpose(#5, 1, 2)
+7 baddbmm(#2, #4, #6, 1, 0.25)
+8 view(#7, (2, 4, 8, 8))
+9 softmax(#8, -1, 3, None)
+10 matmul(#9, #3)
+11 output (#10)
+--- after: unchanged ---
+not fused: baddbmm with beta=1 adds its input to the scores""")
+
+    def test_negative_merged_product_of_3d_inputs(self):
+        def f(q3, k3, v):  # 3-D q, k that are no view of 4-D tensors: nothing to pass as 4-D q and k
+            w = torch.bmm(q3, k3.transpose(1, 2)).view(B, H, L, L)
+            return torch.matmul(F.softmax(w, dim=-1), v)
+
+        self.assertExpectedInline(rewrite_listing(f, randn(B * H, L, D), randn(B * H, L, D), randn(B, H, L, D)), """\
+0 input (8, 8, 16)
+1 input (8, 8, 16)
+2 input (2, 4, 8, 16)
+3 transpose(#0, 1, 2)
+4 bmm(#1, #3)
+5 view(#4, (2, 4, 8, 8))
+6 softmax(#5, -1, 3, None)
+7 matmul(#6, #2)
+8 output (#7)
+--- after: unchanged ---
+not fused: the scores are computed with batch and heads merged and split again, but the product's operands are not 4-D q and k with those merged""")
+
+    def test_negative_mask_on_merged_scores(self):
+        def f(q, k, v, bias3):  # a (B·H, L, L) bias added before the split: no 4-D bias to pass the op
+            b, h, l, d = q.shape
+            w = torch.bmm(q.reshape(b * h, l, d), k.reshape(b * h, l, d).transpose(1, 2)) + bias3
+            return torch.matmul(F.softmax(w.view(b, h, l, l), dim=-1), v)
+
+        self.assertExpectedInline(rewrite_listing(f, *qkv(), randn(B * H, L, L)), """\
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (8, 8, 8)
+3 input (2, 4, 8, 16)
+4 reshape(#0, (8, 8, 16))
+5 reshape(#1, (8, 8, 16))
+6 transpose(#5, 1, 2)
+7 bmm(#4, #6)
+8 add(#7, #2, 1)
+9 view(#8, (2, 4, 8, 8))
+10 softmax(#9, -1, 3, None)
+11 matmul(#10, #3)
+12 output (#11)
+--- after: unchanged ---
+not fused: a mask is applied to the scores while batch and heads are merged""")
+
     def test_negative_weights_returned(self):
         def f(q, k, v):  # output_attentions=True
             w = F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
@@ -1297,6 +1428,42 @@ def test_parity(spec):
     check_parity(spec)
 
 
+def _gpt2_upcast_and_reordered(q, k, v, mask):  # HF GPT-2, reorder_and_upcast_attn=True
+    b, h, lq, d = q.shape
+    lk = k.shape[-2]
+    w = torch.empty(b * h, lq, lk, dtype=torch.float32)
+    q3, kt3 = q.reshape(-1, lq, d), k.transpose(-1, -2).reshape(-1, d, lk)
+    w = torch.baddbmm(w, q3.float(), kt3.float(), beta=0, alpha=0.25)
+    w = w.reshape(b, h, lq, lk) + mask
+    return torch.matmul(F.softmax(w, dim=-1).type(v.dtype), v)
+
+
+def _bmm_merged_heads(q, k, v, mask):
+    b, h, lq, d = q.shape
+    w = torch.bmm(q.reshape(b * h, lq, d), k.reshape(b * h, -1, d).transpose(1, 2)) / 4.0
+    return torch.matmul(F.softmax(w.view(b, h, lq, -1) + mask, dim=-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("fn", [_gpt2_upcast_and_reordered, _bmm_merged_heads], ids=["baddbmm", "bmm"])
+def test_merged_heads_product_parity(fn, dtype):
+    """Scores over merged (batch, heads), split again: fused, outputs and gradients equal eager."""
+    torch.manual_seed(0)
+    inputs = [randn(B, H, L, D, dtype=dtype).requires_grad_() for _ in range(3)] + [padding_mask().to(dtype)]
+    inputs2 = _clone(inputs)
+    torch._dynamo.reset()
+    counters.clear()
+    ref, out = fn(*inputs), torch.compile(fn, backend=rewrite_aot_eager)(*inputs2)
+    assert counters["fuse_plugin"]["attention"] == 1
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert out.dtype == ref.dtype and rel_err(out, ref) <= tol
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    for a, b in zip(inputs[:3], inputs2[:3]):
+        assert rel_err(b.grad, a.grad) <= tol
+
+
 def test_fully_masked_rows_keep_eager_semantics():
     """finfo.min fills: a row masked everywhere gets uniform weights (and no gradient into q, k);
     -inf fills: NaN, as eager."""
@@ -1374,7 +1541,7 @@ def test_internal_error_leaves_the_site_unfused(monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(attention, "_build_bias", boom)
+    monkeypatch.setattr(attention, "build_bias", boom)
 
     def f(q, k, v, mask):
         return F.softmax(q @ k.transpose(-2, -1) * 0.25 + mask, dim=-1) @ v

@@ -2,6 +2,16 @@
 
 `rewrite(gm)` runs on the graph Dynamo hands to a backend (before AOTAutograd), in place, and
 returns a `Report`. Rotary runs first, so that attention sees the rotary ops feeding q and k.
+
+    attention.py       the attention recogniser (q·kᵀ, the chain to the softmax, w·v, GQA; replace)
+    attention_bias.py  the scale and masks of the scores → scale, is_causal and one bias
+    causal_mask.py     abstract interpreter over mask-building nodes: proves a mask causal
+    rotary.py          the rotary recogniser (spellings, partial rotary, casts, q+k pairs; replace)
+    rotary_tables.py   the cos/sin tables a rotary site reads (full width → half width)
+    canon.py           one canonical Call per operation, metadata, SymInt-safe sizes, casts
+    indexing.py        last-dim slices and indices, flatten of the last two dims
+    graph_edit.py      new nodes with source lines and example values; erasing dead nodes
+    report.py          what a rewrite did: fused sites and near misses
 """
 from __future__ import annotations
 

@@ -7,17 +7,25 @@ and `x.softmax(dim=-1)` differ in where the dim sits. `canon(node)` maps every s
 
     canon(node) == Call("softmax", {"input": <node>, "dim": -1, "dtype": None})
 
-Shapes and dtypes come from `node.meta["example_value"]` (fake tensors Dynamo recorded).
+`call_of(node)` also names the spellings op listings leave alone (and/or, clone, swapaxes and
+the in-place forms of the arithmetic a mask chain uses); `written(node)` says whether a user
+changes a node in place.
+
+Shapes and dtypes come from `node.meta["example_value"]` (fake tensors Dynamo recorded); sizes
+may be SymInts, compared with `known_equal` / `same_shape`, which never add a guard. Casts:
+`dtype_cast_target`, `float_cast_input`, `is_identity`. `same_value(a, b)`: two nodes provably
+holding the same value (one pure op written twice).
 """
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _NO_DEFAULT = object()
 _VARARGS = "*"  # marks a parameter that takes the remaining positional args (view(*shape))
@@ -193,6 +201,116 @@ def is_call(node: Any, *names: str) -> Call | None:
     return c if c is not None and c.name in names else None
 
 
+# --------------------------------------------------------------------------- spellings beyond canon
+# (kept out of `canon`, so that op listings name every node as the graph spells it)
+
+# In-place operators and methods, with the out-of-place op `call_of` names them after (None: not modelled).
+_IN_PLACE_OPERATORS = {
+    operator.iadd: "add", operator.isub: "sub", operator.imul: "mul", operator.itruediv: "div",
+    operator.iand: None, operator.ior: None, operator.ixor: None, operator.ifloordiv: None,
+    operator.imod: None, operator.ipow: None, operator.imatmul: None, operator.ilshift: None,
+    operator.irshift: None,
+}
+_IN_PLACE_METHODS = {"add_": "add", "sub_": "sub", "mul_": "mul", "div_": "div", "masked_fill_": "masked_fill"}
+_AND_FUNCTIONS = {operator.and_, torch.logical_and, torch.bitwise_and}
+_OR_FUNCTIONS = {operator.or_, torch.logical_or, torch.bitwise_or}
+_AND_METHODS = {"__and__", "logical_and", "bitwise_and"}
+_OR_METHODS = {"__or__", "logical_or", "bitwise_or"}
+_TRANSPOSE_ALIASES = {"swapaxes", "swapdims"}
+
+
+def call_of(node: Any) -> Optional[Call]:
+    """canon(node), plus and/or, clone, swapaxes, `x.type(dtype)` (as `to`) and the in-place forms
+    of add/sub/mul/div/masked_fill (named like their out-of-place op; `is_in_place_form(node)`
+    tells them apart)."""
+    c = canon(node)
+    if c is not None or not isinstance(node, fx.Node):
+        return c
+    args, kwargs = node.args, dict(node.kwargs)
+    name = None
+    if node.op == "call_function":
+        t = node.target
+        if t in _AND_FUNCTIONS:
+            name = "and"
+        elif t in _OR_FUNCTIONS:
+            name = "or"
+        elif _IN_PLACE_OPERATORS.get(t):
+            name = _IN_PLACE_OPERATORS[t]
+        elif t is torch.clone:
+            name = "clone"
+        elif t in (torch.swapaxes, torch.swapdims):
+            name = "transpose"
+    elif node.op == "call_method":
+        t = node.target
+        if t in _AND_METHODS:
+            name = "and"
+        elif t in _OR_METHODS:
+            name = "or"
+        elif t in _IN_PLACE_METHODS:
+            name = _IN_PLACE_METHODS[t]
+        elif t == "clone":
+            name = "clone"
+        elif t in _TRANSPOSE_ALIASES:
+            name = "transpose"
+        elif t == "type" and len(args) == 2 and isinstance(args[1], torch.dtype) and not kwargs:
+            return Call("to", {"input": args[0], "args": (args[1],)}, node)
+    if name is None:
+        return None
+    if name in ("and", "or"):
+        params = (("input", None), ("other", None))
+    elif name == "clone":
+        kwargs.pop("memory_format", None)
+        params = (("input", None),)
+    else:
+        params = SIGNATURES[name]
+    bound = _bind(name, params, args, kwargs)
+    return None if bound is None else Call(name, bound, node)
+
+
+def is_in_place_form(node: fx.Node) -> bool:
+    """`x += y`, `x.add_(y)`, `x.masked_fill_(m, v)`...: an in-place spelling `call_of` names after its
+    out-of-place op."""
+    return (node.op == "call_method" and node.target in _IN_PLACE_METHODS) or (
+        node.op == "call_function" and node.target in _IN_PLACE_OPERATORS
+    )
+
+
+# --------------------------------------------------------------------------- in-place writes
+
+
+def mutates(user: fx.Node, node: fx.Node) -> bool:
+    """Does `user` write into `node` (an in-place op, setitem, `out=`)?"""
+    if user.kwargs.get("out") is node:
+        return True
+    first = user.args[0] if user.args else None
+    if user.op == "call_method":
+        t = str(user.target)
+        if t.startswith("__i") and t.endswith("__"):  # x.__iadd__(y)
+            return first is node
+        return first is node and t.endswith("_") and not t.startswith("_")
+    if user.op != "call_function":
+        return False
+    t = user.target
+    if t in _IN_PLACE_OPERATORS or t is operator.setitem:
+        return first is node
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.is_mutable and node in user.args
+    if t in (operator.and_, operator.or_, operator.not_) or getattr(t, "__module__", None) in ("operator", "_operator"):
+        return False
+    name = getattr(t, "__name__", "")
+    return first is node and name.endswith("_") and not name.startswith("_")
+
+
+def written(node: Any, allowed: Optional[fx.Node] = None) -> bool:
+    """Is `node`'s value changed in place by one of its users (other than `allowed`)?"""
+    return isinstance(node, fx.Node) and any(u is not allowed and mutates(u, node) for u in node.users)
+
+
+def writes_an_input(node: fx.Node) -> bool:
+    """Does `node` change one of its inputs in place?"""
+    return any(isinstance(a, fx.Node) and mutates(node, a) for a in node.all_input_nodes)
+
+
 # --------------------------------------------------------------------------- metadata
 
 
@@ -230,9 +348,74 @@ def norm_dim(dim: Any, ndim: int) -> int | None:
     return dim % ndim
 
 
-def users_outside(nodes: set[fx.Node], keep: set[fx.Node]) -> list[fx.Node]:
-    """Nodes of `nodes` (other than those in `keep`) whose value is used outside `nodes`."""
-    return [n for n in nodes if n not in keep and any(u not in nodes for u in n.users)]
+def sole_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+# --------------------------------------------------------------------------- sizes (ints or SymInts)
+
+
+def known_true(cond: Any) -> bool:
+    """True when a (possibly symbolic) condition holds for every size; never adds a guard."""
+    if isinstance(cond, bool):
+        return cond
+    try:
+        return bool(statically_known_true(cond))
+    except Exception:  # noqa: BLE001  (an expression sympy cannot decide)
+        return False
+
+
+def known_equal(a: Any, b: Any) -> bool:
+    """a == b for ints or SymInts, True only when provable for every size (adds no guard)."""
+    try:
+        return known_true(a == b)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def same_shape(a: tuple | None, b: tuple | None) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and all(known_equal(x, y) for x, y in zip(a, b))
+
+
+def broadcasts_to(s: tuple | None, target: tuple) -> bool:
+    """A tensor of shape s broadcasts to `target` without growing it."""
+    return s is not None and len(s) <= len(target) and all(
+        known_equal(d, 1) or known_equal(d, t) for d, t in zip(reversed(s), reversed(target))
+    )
+
+
+def even_size(d: Any) -> bool:
+    """d % 2 == 0. A symbolic size is checked on its hint and guarded (the compiled graph then
+    holds for even sizes only, and Dynamo recompiles for an odd one)."""
+    if isinstance(d, int):
+        return d % 2 == 0
+    from torch.fx.experimental import symbolic_shapes
+
+    try:
+        if statically_known_true(d % 2 == 0):
+            return True
+        guard = getattr(symbolic_shapes, "guard_or_false", bool)  # bool(SymBool) guards on the hint as well
+        return bool(guard(d % 2 == 0))
+    except Exception:  # noqa: BLE001  (unbacked: undecidable)
+        return False
+
+
+def size_in_range(v: Any, lo: int, hi: int) -> bool:
+    """lo <= v <= hi; for a symbolic size this guards on the range (a recompile if it leaves it),
+    as a kernel needs it for every size the compiled graph sees."""
+    if isinstance(v, int):
+        return lo <= v <= hi
+    try:
+        return bool(v >= lo) and bool(v <= hi)
+    except Exception:  # noqa: BLE001  (data-dependent size)
+        return False
+
+
+def fmt_shape(s) -> str:
+    return "(" + ", ".join(str(x) for x in s) + ")" if s is not None else "?"
+
+
+# --------------------------------------------------------------------------- casts
 
 
 def dtype_cast_target(call: Call) -> torch.dtype | None | str:
@@ -251,3 +434,78 @@ def dtype_cast_target(call: Call) -> torch.dtype | None | str:
                 return "not-a-cast"
             return dtype(call.node)
     return "not-a-cast"
+
+
+def float_cast_dtype(call: Call) -> Optional[torch.dtype]:
+    """The floating dtype a pure cast casts to, else None."""
+    if call.name not in ("float", "half", "bfloat16", "type_as", "to"):
+        return None
+    t = dtype_cast_target(call)
+    return t if isinstance(t, torch.dtype) and t.is_floating_point else None
+
+
+def float_cast_input(node: Any) -> Optional[fx.Node]:
+    """x when node = x cast to a floating dtype (`x.float()`, `x.to(torch.bfloat16)`, `x.type_as(t)`)
+    and nothing writes into node in place; else None."""
+    c = call_of(node)
+    if c is None or float_cast_dtype(c) is None or not isinstance(c["input"], fx.Node) or written(node):
+        return None
+    return c["input"]
+
+
+def is_identity(call: Call) -> bool:
+    """An op that leaves values (and dtype, device) as they are: contiguous, clone, a `.to` that
+    changes nothing."""
+    if call.name in ("contiguous", "clone"):
+        return True
+    if call.name == "to":  # .to(device) to the device it is on, .to(own dtype)
+        src, dst = example_value(call["input"]), example_value(call.node)
+        return (
+            isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)
+            and src.dtype == dst.dtype and src.device == dst.device
+        )
+    return False
+
+
+# --------------------------------------------------------------------------- one value spelled twice
+
+# ops whose result depends only on their arguments: two such nodes with equal arguments are equal
+_PURE = {"getitem", "unsqueeze", "view", "reshape", "flatten", "to", "float", "half", "bfloat16", "type_as",
+         "view_as_real", "view_as_complex", "contiguous", "transpose", "permute", "expand",
+         "repeat_interleave", "cat", "stack", "chunk", "split", "neg", "mul", "add", "sub", "div"}
+_VALUE_KEYS: dict = {}  # value_key memo, emptied by forget_value_keys() at the start and end of a rewrite
+
+
+def value_key(a: Any, depth: int = 0) -> Any:
+    """A hashable key, equal for two nodes that provably hold the same value (the same node, or the
+    same pure op of equal arguments: `c[..., 0]` written twice)."""
+    if isinstance(a, fx.Node):
+        if (a, depth) in _VALUE_KEYS:
+            return _VALUE_KEYS[(a, depth)]
+        c = canon(a)
+        if c is None or c.name not in _PURE or depth > 12:
+            key = ("node", a)
+        else:
+            key = (c.name,) + tuple((k, value_key(v, depth + 1)) for k, v in c.args.items())
+        _VALUE_KEYS[(a, depth)] = key
+        return key
+    if isinstance(a, slice):
+        return ("slice", value_key(a.start, depth), value_key(a.stop, depth), value_key(a.step, depth))
+    if isinstance(a, (tuple, list, torch.Size)):
+        return (type(a).__name__,) + tuple(value_key(v, depth) for v in a)
+    if isinstance(a, dict):
+        return ("dict",) + tuple((k, value_key(v, depth)) for k, v in a.items())
+    try:
+        hash(a)
+        return (type(a).__name__, a)  # 2 and 2.0 (and True) are different arguments
+    except TypeError:
+        return ("id", id(a))
+
+
+def same_value(a: Any, b: Any) -> bool:
+    return a is b or value_key(a) == value_key(b)
+
+
+def forget_value_keys() -> None:
+    """Empty value_key's memo (the graph is about to change)."""
+    _VALUE_KEYS.clear()

@@ -49,19 +49,22 @@ Every candidate start (a cat/stack of a negated slice and another slice, a cat/s
 `report.missed` with the reason; anything unexpected while matching or replacing one site becomes
 a miss too (and a log line), the graph left valid: never a failed compile.
 """
+
 from __future__ import annotations
 
 import logging
 import operator
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 
-from .canon import canon, dtype, dtype_cast_target, example_value, is_call, norm_dim, rank, shape, tensor_meta
+from .canon import (broadcasts_to, canon, dtype, even_size, example_value, float_cast_input, forget_value_keys,
+                    is_call, known_equal, rank, same_shape, same_value, shape, sole_user, tensor_meta)
+from .graph_edit import NodeBuilder, erase_dead, graph_fake_mode
+from .indexing import LastDimSlice, is_last_dim, last_dim_index, last_dim_slice, merges_last_two
+from .rotary_tables import COMPLEX_PART_DTYPE, Table, TablePlan, plan_table, trig_of
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,6 @@ KIND = "rotary"
 _ROTARY = torch.ops.fuse_plugin.rotary.default
 _ROTARY_QK = torch.ops.fuse_plugin.rotary_qk.default
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_COMPLEX_PART = {torch.complex32: torch.float16, torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
 class Miss(Exception):
@@ -81,234 +83,7 @@ def require(cond: Any, reason: str) -> None:
         raise Miss(reason)
 
 
-# =============================================================================== generic helpers
-# (graph-generic; candidates for canon.py)
-
-
-def sym_eq(a: Any, b: Any) -> bool:
-    """a == b for ints or SymInts, True only when provable (adds no guard)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    try:
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-        return bool(statically_known_true(a == b))
-    except Exception:  # noqa: BLE001  (an expression sympy cannot decide)
-        return False
-
-
-def sym_even(d: Any) -> bool:
-    """d % 2 == 0. A symbolic head dim is checked on its hint and guarded (the compiled graph then
-    holds for even sizes only, and Dynamo recompiles for an odd one)."""
-    if isinstance(d, int):
-        return d % 2 == 0
-    from torch.fx.experimental import symbolic_shapes as ss
-
-    try:
-        if ss.statically_known_true(d % 2 == 0):
-            return True
-        guard = getattr(ss, "guard_or_false", bool)  # bool(SymBool) guards on the hint as well
-        return bool(guard(d % 2 == 0))
-    except Exception:  # noqa: BLE001  (unbacked: undecidable)
-        return False
-
-
-def same_shape(a: tuple | None, b: tuple | None) -> bool:
-    return a is not None and b is not None and len(a) == len(b) and all(sym_eq(x, y) for x, y in zip(a, b))
-
-
-def value_of(a: Any) -> Any:
-    """An argument's value: a node's example value (SymInt for a size node), else the constant."""
-    return example_value(a) if isinstance(a, fx.Node) else a
-
-
-# ops whose result depends only on their arguments: two such nodes with equal arguments are equal
-_PURE = {"getitem", "unsqueeze", "view", "reshape", "flatten", "to", "float", "half", "bfloat16", "type_as",
-         "view_as_real", "view_as_complex", "contiguous", "transpose", "permute", "expand",
-         "repeat_interleave", "cat", "stack", "chunk", "split", "neg", "mul", "add", "sub", "div"}
-
-
-_KEYS: dict = {}  # value_key memo, cleared by each rewrite
-
-
-def value_key(a: Any, depth: int = 0) -> Any:
-    """A hashable key, equal for two nodes that provably hold the same value (the same node, or the
-    same pure op of equal arguments: `c[..., 0]` written twice)."""
-    if isinstance(a, fx.Node):
-        if (a, depth) in _KEYS:
-            return _KEYS[(a, depth)]
-        c = canon(a)
-        if c is None or c.name not in _PURE or depth > 12:
-            key = ("node", a)
-        else:
-            key = (c.name,) + tuple((k, value_key(v, depth + 1)) for k, v in c.args.items())
-        _KEYS[(a, depth)] = key
-        return key
-    if isinstance(a, slice):
-        return ("slice", value_key(a.start, depth), value_key(a.stop, depth), value_key(a.step, depth))
-    if isinstance(a, (tuple, list, torch.Size)):
-        return (type(a).__name__,) + tuple(value_key(v, depth) for v in a)
-    if isinstance(a, dict):
-        return ("dict",) + tuple((k, value_key(v, depth)) for k, v in a.items())
-    try:
-        hash(a)
-        return (type(a).__name__, a)  # 2 and 2.0 (and True) are different arguments
-    except TypeError:
-        return ("id", id(a))
-
-
-def same_value(a: Any, b: Any) -> bool:
-    return a is b or value_key(a) == value_key(b)
-
-
-def sole_user(node: fx.Node) -> fx.Node | None:
-    return next(iter(node.users)) if len(node.users) == 1 else None
-
-
-@dataclass(frozen=True)
-class LastDimSlice:
-    """`base[..., start:stop:step]` with the bounds normalised to 0 <= start, stop <= D."""
-
-    base: fx.Node
-    start: Any
-    stop: Any
-    step: int
-    stop_arg: Any  # the stop as written in the graph (an int or a size node)
-
-
-def _index_entries(node: fx.Node) -> tuple[fx.Node, tuple] | None:
-    c = is_call(node, "getitem")
-    if c is None or not isinstance(c["input"], fx.Node) or tensor_meta(c["input"]) is None:
-        return None
-    idx = c["index"]
-    return c["input"], (idx if isinstance(idx, tuple) else (idx,))
-
-
-def _last_dim_entry(idx: tuple, ndim: int) -> Any:
-    """The index entry that applies to the last dim when every other dim is kept whole, or
-    `slice(None)` if the index leaves the last dim untouched and keeps every dim; else None."""
-    full = slice(None, None, None)
-    if any(e is None or isinstance(e, (fx.Node, torch.Tensor)) for e in idx):
-        return None
-    if Ellipsis in idx:
-        at = idx.index(Ellipsis)
-        before, after = idx[:at], idx[at + 1:]
-        if len(after) > 1 or any(e != full for e in before):
-            return None
-        return after[0] if after else full
-    if len(idx) > ndim or any(e != full for e in idx[:-1]):
-        return None
-    return idx[-1] if len(idx) == ndim else full
-
-
-def last_dim_slice(node: Any) -> LastDimSlice | None:
-    """`x[..., a:b:c]` (or `x[:, :, a:b:c]`) on the last dim only."""
-    got = _index_entries(node) if isinstance(node, fx.Node) else None
-    if got is None:
-        return None
-    base, idx = got
-    ndim = rank(base)
-    entry = _last_dim_entry(idx, ndim)
-    if not isinstance(entry, slice):
-        return None
-    d = shape(base)[-1]
-    step = 1 if entry.step is None else value_of(entry.step)
-    if not isinstance(step, int) or step <= 0:
-        return None
-
-    def norm(v, default):
-        v = default if v is None else value_of(v)
-        if isinstance(v, int) and not isinstance(v, bool):
-            if v < 0:
-                v += d
-            if isinstance(d, int):
-                v = max(0, min(v, d))
-        return v
-
-    return LastDimSlice(base, norm(entry.start, 0), norm(entry.stop, d), step, entry.stop if entry.stop is not None else d)
-
-
-def last_dim_index(node: Any) -> tuple[fx.Node, int] | None:
-    """`x[..., k]` with an int k: (x, k)."""
-    got = _index_entries(node) if isinstance(node, fx.Node) else None
-    if got is None:
-        return None
-    base, idx = got
-    entry = _last_dim_entry(idx, rank(base))
-    if isinstance(entry, int) and not isinstance(entry, bool):
-        d = shape(base)[-1]
-        return base, (entry % d if isinstance(d, int) else entry)
-    return None
-
-
-def is_last_dim(dim: Any, ndim: int | None) -> bool:
-    return ndim is not None and norm_dim(dim, ndim) == ndim - 1
-
-
-def merges_last_two(node: fx.Node, inp: fx.Node) -> bool:
-    """node == inp.flatten(-2) (a flatten, or a view/reshape to inp.shape[:-2] + (a*b,))."""
-    si, so = shape(inp), shape(node)
-    if si is None or so is None or len(so) != len(si) - 1 or len(si) < 2:
-        return False
-    c = canon(node)
-    if c is None or c["input"] is not inp:
-        return False
-    if c.name == "flatten":
-        return norm_dim(c["start_dim"], len(si)) == len(si) - 2 and norm_dim(c["end_dim"], len(si)) == len(si) - 1
-    if c.name in ("view", "reshape"):
-        return same_shape(so, si[:-2] + (si[-2] * si[-1],))
-    return False
-
-
-def fake_mode_of(*values: Any):
-    """The fake mode of these example values (theirs, even when the graph was deep-copied out of
-    the tracing context, e.g. by `fuse_plugin.explain`)."""
-    for v in values:
-        mode = getattr(v, "fake_mode", None)
-        if mode is not None:
-            return mode
-    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
-
-
-def set_example_value(node: fx.Node) -> Any:
-    """Run `node` on its inputs' example values (under their fake mode); store and return it."""
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
-    flat: list = []
-    fx.node.map_aggregate((args, kwargs), lambda a: flat.append(a) if isinstance(a, torch.Tensor) else None)
-    mode = fake_mode_of(*flat)
-    with mode if mode is not None else nullcontext():
-        if node.op == "call_function":
-            value = node.target(*args, **kwargs)
-        elif node.op == "call_method":
-            value = getattr(args[0], node.target)(*args[1:], **kwargs)
-        else:
-            raise AssertionError(f"cannot evaluate a {node.op} node")
-    node.meta["example_value"] = value
-    return value
-
-
-def copy_source_meta(new: fx.Node, old: fx.Node) -> None:
-    for key in ("stack_trace", "nn_module_stack"):
-        if key in old.meta:
-            new.meta[key] = old.meta[key]
-
-
 # =============================================================================== data
-
-
-@dataclass(frozen=True)
-class Table:
-    """Where the op's cos (or sin) comes from: `node` read at `width` ("full": one value per
-    channel, "half": one per channel pair); `part` "real"/"imag" reads a complex node's part."""
-
-    node: fx.Node
-    width: str
-    part: str | None = None
-
-    @property
-    def dtype(self) -> torch.dtype | None:
-        dt = dtype(self.node)
-        return _COMPLEX_PART.get(dt) if self.part else dt
 
 
 @dataclass
@@ -344,7 +119,7 @@ class RotarySite:
 
     @property
     def rotary_dim_value(self) -> Any:
-        return value_of(self.rotary_dim)
+        return example_value(self.rotary_dim)
 
 
 # =============================================================================== channel pairs
@@ -375,18 +150,18 @@ def _split_in_two_halves(split: fx.Node) -> fx.Node | None:
         return None
     d = shape(x)[-1]
     if c.name == "chunk":
-        ok = c["chunks"] == 2 and sym_even(d)
+        ok = c["chunks"] == 2 and even_size(d)
     else:
         size = c["split_size_or_sections"]
-        sizes = [value_of(s) for s in size] if isinstance(size, (list, tuple)) else [value_of(size)] * 2
-        ok = len(sizes) == 2 and sym_eq(sizes[0], sizes[1]) and sym_eq(sizes[0], d // 2) and sym_even(d)
+        sizes = [example_value(s) for s in size] if isinstance(size, (list, tuple)) else [example_value(size)] * 2
+        ok = len(sizes) == 2 and known_equal(sizes[0], sizes[1]) and known_equal(sizes[0], d // 2) and even_size(d)
     return x if ok else None
 
 
 def _splits_into_pairs(xs: fx.Node, x: fx.Node) -> bool:
     """xs = x.reshape(*x.shape[:-1], D/2, 2)."""
     sx, sxs = shape(x), shape(xs)
-    return sxs is not None and same_shape(sxs, sx[:-1] + (sx[-1] // 2, 2)) and sym_even(sx[-1])
+    return sxs is not None and same_shape(sxs, sx[:-1] + (sx[-1] // 2, 2)) and even_size(sx[-1])
 
 
 def channel_pairs(x1: Any, x2: Any) -> Pairs:
@@ -399,12 +174,12 @@ def channel_pairs(x1: Any, x2: Any) -> Pairs:
         d = shape(s1.base)[-1]
         nodes = frozenset({x1, x2})
         if s1.step == s2.step == 1:
-            require(s1.start == 0 and sym_eq(s1.stop, s2.start) and sym_eq(s2.stop, d),
+            require(s1.start == 0 and known_equal(s1.stop, s2.start) and known_equal(s2.stop, d),
                     "the slices are not the first and second half of the last dim in that order")
-            require(sym_eq(s1.stop, d // 2) and sym_even(d), f"the halves are not split at D/2 (split at {s1.stop} of {d})")
+            require(known_equal(s1.stop, d // 2) and even_size(d), f"the halves are not split at D/2 (split at {s1.stop} of {d})")
             return Pairs(s1.base, False, nodes)
         if s1.step == s2.step == 2:
-            require(s1.start == 0 and s2.start == 1 and sym_eq(s1.stop, d) and sym_eq(s2.stop, d),
+            require(s1.start == 0 and s2.start == 1 and known_equal(s1.stop, d) and known_equal(s2.stop, d),
                     "the strided slices are not x[..., ::2] and x[..., 1::2] in that order")
             return Pairs(s1.base, True, nodes)
         raise Miss("the two slices are neither halves nor even/odd channels")
@@ -589,7 +364,7 @@ def match_complex(start: fx.Node) -> Core:
     x = c["input"] if c is not None else None
     require(isinstance(x, fx.Node) and shape(x) is not None, "view_as_complex of something that is not x.reshape(..., -1, 2)")
     require(_splits_into_pairs(xs, x), "the reshape does not split the last dim into (D/2, 2) pairs")
-    require(isinstance(freqs, fx.Node) and dtype(freqs) in _COMPLEX_PART, "freqs is not a complex tensor")
+    require(isinstance(freqs, fx.Node) and dtype(freqs) in COMPLEX_PART_DTYPE, "freqs is not a complex tensor")
     out = sole_user(start)
     require(out is not None and merges_last_two(out, start), "view_as_real(...) is not flattened back into the last dim")
     product = canon(start)["input"]
@@ -604,145 +379,12 @@ STARTS: tuple[tuple[Callable[[fx.Node], bool], Callable[[fx.Node], Core]], ...] 
 )
 
 
-# =============================================================================== tables
-
-
-@dataclass
-class TablePlan:
-    """How the op's table is obtained: `source` read at `width`; either a complex node's `part`
-    (view_as_real(source)[..., 0 / 1]), or a full-width table's `rebuild` chain (its views, casts,
-    cos/sin...) re-applied to its half-width source in place of `full_base` = cat((f, f)) /
-    f.repeat_interleave(2)."""
-
-    key: Any
-    width: str
-    dtype: torch.dtype
-    source: fx.Node
-    part: str | None = None
-    full_base: fx.Node | None = None
-    rebuild: list[fx.Node] = field(default_factory=list)
-
-    @property
-    def bypassed(self) -> set[fx.Node]:
-        """The full-width nodes that the op no longer reads (erased once dead)."""
-        return set(self.rebuild) | ({self.full_base} if self.full_base is not None else set())
-
-    def build(self, graph: fx.Graph, anchor: fx.Node, memo: dict) -> fx.Node:
-        """Insert the nodes that produce the table (at the graph's insertion point); `memo` shares
-        view_as_real(freqs) between the cos and sin of one op."""
-        node = self.source
-        if self.part is not None:
-            if ("view_as_real", node) not in memo:
-                memo[("view_as_real", node)] = _new(graph, anchor, "call_function", torch.view_as_real, (node,))
-            node = memo[("view_as_real", node)]
-            return _new(graph, anchor, "call_function", operator.getitem, (node, (Ellipsis, 0 if self.part == "real" else 1)))
-        old_input = self.full_base
-        for old in self.rebuild:  # bottom-up: each one re-applied to the half-width node below it
-            half_input = node
-            node = graph.node_copy(old, lambda a, o=old_input, h=half_input: h if a is o else a)
-            node.meta = {}
-            set_example_value(node)
-            copy_source_meta(node, anchor)
-            old_input = old
-        return node
-
-
-_TABLE_UNARY = {torch.cos, torch.sin, "cos", "sin"}
-
-
-def _keeps_last_dim(idx: tuple, ndim: int) -> bool:
-    """An index that leaves the last dim whole and last (x[:, None, :], x[0], cos[pos_ids])."""
-    full = slice(None, None, None)
-    if Ellipsis in idx:
-        after = idx[idx.index(Ellipsis) + 1:]
-        return not after or (len(after) == 1 and after[0] == full)
-    consumed = [e for e in idx if e is not None]
-    if len(consumed) < ndim:
-        return True
-    return len(consumed) == ndim and idx[-1] is not None and isinstance(idx[-1], slice) and idx[-1] == full
-
-
-def _keeps_pair_values(node: fx.Node) -> fx.Node | None:
-    """The input of `node` if `node` maps a table whose channel pairs hold equal values to one
-    whose pairs do too, keeping its last dim: a view on other dims, a dtype cast, cos/sin/neg,
-    arithmetic with a Python scalar."""
-    if node.op in ("call_function", "call_method") and node.target in _TABLE_UNARY:
-        return node.args[0] if len(node.args) == 1 and not node.kwargs and isinstance(node.args[0], fx.Node) else None
-    c = canon(node)
-    inp = c.args.get("input") if c is not None else None
-    if not isinstance(inp, fx.Node) or rank(inp) is None or rank(node) is None:
-        return None
-    if c.name == "unsqueeze":
-        return inp if norm_dim(c["dim"], rank(node)) not in (None, rank(node) - 1) else None
-    if c.name == "getitem":
-        idx = c["index"] if isinstance(c["index"], tuple) else (c["index"],)
-        if any(isinstance(e, fx.Node) and dtype(e) == torch.bool for e in idx):
-            return None  # a mask may flatten the last dim away
-        keeps = _keeps_last_dim(idx, rank(inp)) and sym_eq(shape(node)[-1], shape(inp)[-1])
-        return inp if keeps else None
-    if c.name in ("float", "half", "bfloat16", "to", "type_as"):
-        return inp if dtype_cast_target(c) != "not-a-cast" else None
-    if c.name == "neg":
-        return inp
-    if c.name in ("mul", "div", "add", "sub") and isinstance(c["other"], (int, float)) and c.args.get("alpha", 1) == 1:
-        return inp
-    return None
-
-
-def _half_source(table: fx.Node, interleaved: bool) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
-    """(f, base, chain) if `table` provably repeats f's values within each channel pair:
-    base = cat((f, f), -1) (half-split) or f.repeat_interleave(2, -1) (interleaved), under a
-    chain of pair-preserving ops (listed bottom-up)."""
-    chain, node = [], table
-    for _ in range(16):
-        c = canon(node)
-        if c is not None and c.name == "cat" and not interleaved:
-            ts = c["tensors"]
-            if isinstance(ts, (list, tuple)) and len(ts) == 2 and is_last_dim(c["dim"], rank(node)) and same_value(ts[0], ts[1]):
-                return ts[0], node, chain[::-1]
-        if c is not None and c.name == "repeat_interleave" and interleaved:
-            if c["repeats"] == 2 and c["dim"] is not None and is_last_dim(c["dim"], rank(node)):
-                return c["input"], node, chain[::-1]
-        inp = _keeps_pair_values(node)
-        if inp is None:
-            return None
-        chain.append(node)
-        node = inp
-    return None
-
-
-def plan_table(t: Table, interleaved: bool) -> TablePlan:
-    if t.part is not None:
-        return TablePlan(("part", t.part, value_key(t.node)), "half", t.dtype, t.node, part=t.part)
-    if t.width == "full":
-        half = _half_source(t.node, interleaved)
-        if half is not None and isinstance(half[0], fx.Node) and tensor_meta(half[0]) is not None:
-            f, base, chain = half
-            return TablePlan(("half-of", value_key(t.node)), "half", t.dtype, f, full_base=base, rebuild=chain)
-    return TablePlan(("as-is", value_key(t.node)), t.width, t.dtype, t.node)
-
-
 # =============================================================================== completing a site
-
-
-def _broadcasts_into(table: tuple, x: tuple, width: Any) -> bool:
-    """table broadcasts to x.shape[:-1] + (width,) without growing x's leading dims."""
-    if len(table) > len(x) or not sym_eq(table[-1], width):
-        return False
-    return all(sym_eq(t, 1) or sym_eq(t, d) for t, d in zip(reversed(table[:-1]), reversed(x[:-1])))
 
 
 def _is_lossless(src: torch.dtype, dst: torch.dtype) -> bool:
     return src == dst or (src in (torch.float16, torch.bfloat16) and dst in (torch.float32, torch.float64)) or (
         src == torch.float32 and dst == torch.float64)
-
-
-def _cast_input(node: fx.Node) -> fx.Node | None:
-    """The input of a pure dtype cast, else None."""
-    c = canon(node)
-    if c is None or dtype_cast_target(c) == "not-a-cast" or not isinstance(c.args.get("input"), fx.Node):
-        return None
-    return c["input"]
 
 
 def _promote(*dts: torch.dtype) -> torch.dtype:
@@ -755,7 +397,7 @@ def _promote(*dts: torch.dtype) -> torch.dtype:
 def _strip_cast(x: fx.Node, tables: tuple[torch.dtype, torch.dtype], eager: torch.dtype) -> fx.Node:
     """x's input if x is a lossless cast (`.float()`) that leaves the op's output dtype (and compute
     precision) as eager has them: the op computes in fp32 whatever it reads."""
-    src = _cast_input(x)
+    src = float_cast_input(x)
     if src is None or dtype(src) not in _FLOATS or not _is_lossless(dtype(src), dtype(x)):
         return x
     return src if _promote(dtype(src), *tables) == eager else x
@@ -763,7 +405,7 @@ def _strip_cast(x: fx.Node, tables: tuple[torch.dtype, torch.dtype], eager: torc
 
 def _sole_cast_user(node: fx.Node) -> fx.Node | None:
     user = sole_user(node)
-    return user if user is not None and _cast_input(user) is node and dtype(user) in _FLOATS else None
+    return user if user is not None and float_cast_input(user) is node and dtype(user) in _FLOATS else None
 
 
 def _check_tables(core: Core) -> None:
@@ -778,30 +420,11 @@ def _check_tables(core: Core) -> None:
     d = shape(core.x)[-1]
     width = d if core.cos.width == "full" else d // 2
     if core.cos.width == "half":
-        require(sym_eq(shape(core.cos.node)[-1], d // 2) and sym_even(d),
+        require(known_equal(shape(core.cos.node)[-1], d // 2) and even_size(d),
                 f"cos/sin last dim {shape(core.cos.node)[-1]} is not one value per channel pair ({d} channels)")
-    require(_broadcasts_into(shape(core.cos.node), shape(core.x), width),
+    table, x_shape = shape(core.cos.node), shape(core.x)
+    require(known_equal(table[-1], width) and broadcasts_to(table, x_shape[:-1] + (width,)),
             f"cos/sin {tuple(shape(core.cos.node))} do not broadcast to x {tuple(shape(core.x))} channel-wise")
-
-
-def _trig_of(table: fx.Node) -> str | None:
-    """"cos" / "sin" if the table is provably cos(...) / sin(...) (under views, casts, scalars and
-    cat((f, f)) / repeat_interleave), else None."""
-    node = table
-    for _ in range(16):
-        if node.op in ("call_function", "call_method") and node.target in _TABLE_UNARY:
-            return "cos" if node.target in (torch.cos, "cos") else "sin"
-        c = canon(node)
-        if c is not None and c.name == "cat" and isinstance(c["tensors"], (list, tuple)) and len(c["tensors"]) == 2 \
-                and same_value(*c["tensors"]):
-            node = c["tensors"][0]
-        elif c is not None and c.name == "repeat_interleave":
-            node = c["input"]
-        else:
-            node = _keeps_pair_values(node)
-        if not isinstance(node, fx.Node):
-            return None
-    return None
 
 
 def _private(interior: set[fx.Node], out: fx.Node) -> None:
@@ -814,7 +437,7 @@ def complete(core: Core) -> RotarySite:
     """Turn a recognised core into a replaceable site: checks, casts, partial rotary, tables."""
     require(dtype(core.x) in _FLOATS, f"x is not a float tensor ({dtype(core.x)})")
     _check_tables(core)
-    require(core.cos.part is not None or (_trig_of(core.cos.node) != "sin" and _trig_of(core.sin.node) != "cos"),
+    require(core.cos.part is not None or (trig_of(core.cos.node) != "sin" and trig_of(core.sin.node) != "cos"),
             "cos/sin swapped: x is multiplied by a sin(...) table and its rotation by a cos(...) table")
     require(same_shape(shape(core.out), shape(core.x)), "the result's shape is not x's (cos/sin broadcast x)")
     _private(core.interior, core.out)
@@ -868,7 +491,7 @@ def _partial_join(joined: fx.Node | None, rotated: fx.Node, prefix: LastDimSlice
         return None
     tail = last_dim_slice(ts[1])
     whole = prefix.base
-    if tail is None or tail.step != 1 or not sym_eq(tail.start, prefix.stop) or not sym_eq(tail.stop, shape(whole)[-1]):
+    if tail is None or tail.step != 1 or not known_equal(tail.start, prefix.stop) or not known_equal(tail.stop, shape(whole)[-1]):
         return None
     return ts[1] if any(same_value(tail.base, w) for w in wholes) else None
 
@@ -881,38 +504,17 @@ def _pass_first(joined: fx.Node, rotated: fx.Node, x: fx.Node) -> bool:
 # =============================================================================== replacing
 
 
-def _new(graph: fx.Graph, anchor: fx.Node, op: str, target: Any, args: tuple) -> fx.Node:
-    node = graph.create_node(op, target, args)
-    set_example_value(node)
-    copy_source_meta(node, anchor)
-    return node
-
-
-def _rotary_dim_node(graph: fx.Graph, site: RotarySite, x: fx.Node) -> Any:
+def _rotary_dim_node(b: NodeBuilder, site: RotarySite, x: fx.Node) -> Any:
     """The op's rotary_dim argument: an int, or a size node for a symbolic head dim."""
     r = site.rotary_dim
-    if isinstance(r, fx.Node) or isinstance(value_of(r), int):
-        return value_of(r) if not isinstance(r, fx.Node) else r
-    require(sym_eq(r, shape(x)[-1]), "symbolic rotary_dim that is not x's last dim")
-    return _new(graph, site.anchor, "call_function", torch.ops.aten.sym_size.int, (x, rank(x) - 1))
+    if isinstance(r, fx.Node) or isinstance(example_value(r), int):
+        return example_value(r) if not isinstance(r, fx.Node) else r
+    require(known_equal(r, shape(x)[-1]), "symbolic rotary_dim that is not x's last dim")
+    return b.function(torch.ops.aten.sym_size.int, x, rank(x) - 1)
 
 
-def _erase_dead(graph: fx.Graph, candidates: set[fx.Node]) -> None:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    changed = True
-    while changed:
-        changed = False
-        for n in sorted((c for c in candidates if c in order), key=order.get, reverse=True):
-            if not n.users and n.op in ("call_function", "call_method"):
-                graph.erase_node(n)
-                del order[n]
-                changed = True
-
-
-def _casted(graph: fx.Graph, anchor: fx.Node, node: fx.Node, to: torch.dtype) -> fx.Node:
-    if dtype(node) == to:
-        return node
-    return _new(graph, anchor, "call_method", "to", (node, to))
+def _casted(b: NodeBuilder, node: fx.Node, to: torch.dtype) -> fx.Node:
+    return node if dtype(node) == to else b.method("to", node, to)
 
 
 def _detail(site: RotarySite, extra: str = "") -> str:
@@ -921,7 +523,7 @@ def _detail(site: RotarySite, extra: str = "") -> str:
     return "; ".join(parts + ([extra] if extra else []))
 
 
-def replace(graph: fx.Graph, sites: list[RotarySite], done: dict[fx.Node, fx.Node]) -> None:
+def replace(graph: fx.Graph, sites: list[RotarySite], done: dict[fx.Node, fx.Node], fake_mode=None) -> None:
     """Insert one op for `sites` (one site: rotary; two: rotary_qk) before the last site's result,
     point every user at it and erase what died. Graph untouched if building the new nodes fails.
     `done` maps the results replaced so far to their new nodes (a site may read one: rot(rot(x)))."""
@@ -935,24 +537,19 @@ def replace(graph: fx.Graph, sites: list[RotarySite], done: dict[fx.Node, fx.Nod
     order = {n: i for i, n in enumerate(graph.nodes)}
     at = max((s.out for s in sites), key=order.get)
     first = sites[0]
-    before = set(graph.nodes)
+    b = NodeBuilder(graph, at, first.anchor, fake_mode)
     try:
-        with graph.inserting_before(at):
-            memo: dict = {}
-            cos = first.cos.build(graph, first.anchor, memo)
-            sin = first.sin.build(graph, first.anchor, memo)
-            rd = _rotary_dim_node(graph, first, first.x)
-            if len(sites) == 1:
-                outs = [_new(graph, first.anchor, "call_function", _ROTARY, (first.x, cos, sin, first.interleaved, rd))]
-            else:
-                pair = _new(graph, first.anchor, "call_function", _ROTARY_QK,
-                            (sites[0].x, sites[1].x, cos, sin, first.interleaved, rd))
-                outs = [_new(graph, s.anchor, "call_function", operator.getitem, (pair, i)) for i, s in enumerate(sites)]
-            outs = [_casted(graph, s.anchor, o, s.out_dtype) for s, o in zip(sites, outs)]
+        memo: dict = {}
+        cos, sin = first.cos.build(b, memo), first.sin.build(b, memo)
+        rd = _rotary_dim_node(b, first, first.x)
+        if len(sites) == 1:
+            outs = [b.function(_ROTARY, first.x, cos, sin, first.interleaved, rd)]
+        else:
+            pair = b.function(_ROTARY_QK, sites[0].x, sites[1].x, cos, sin, first.interleaved, rd)
+            outs = [b.sibling(s.anchor).function(operator.getitem, pair, i) for i, s in enumerate(sites)]
+        outs = [_casted(b.sibling(s.anchor), o, s.out_dtype) for s, o in zip(sites, outs)]
     except Exception:
-        created = [n for n in graph.nodes if n not in before]
-        for n in reversed(created):
-            graph.erase_node(n)
+        b.rollback()
         raise
     for s, o in zip(sites, outs):
         s.out.replace_all_uses_with(o)
@@ -960,13 +557,13 @@ def replace(graph: fx.Graph, sites: list[RotarySite], done: dict[fx.Node, fx.Nod
     dead: set[fx.Node] = set()
     for s in sites:
         dead |= s.interior | s.erasable | {s.out} | s.cos.bypassed | s.sin.bypassed
-    _erase_dead(graph, dead)
+    erase_dead(graph, dead)
 
 
 def _can_pair(a: RotarySite, b: RotarySite, order: dict) -> bool:
     if a.cos.key != b.cos.key or a.sin.key != b.sin.key or a.interleaved != b.interleaved:
         return False
-    if not sym_eq(a.rotary_dim_value, b.rotary_dim_value):
+    if not known_equal(a.rotary_dim_value, b.rotary_dim_value):
         return False
     early, late = sorted((a, b), key=lambda s: order[s.out])
     # the pair's op sits before the later result: the earlier result's users must all come after it
@@ -1017,13 +614,13 @@ def group_pairs(graph: fx.Graph, sites: list[RotarySite]) -> list[list[RotarySit
 
 def rewrite(gm: fx.GraphModule, report) -> None:
     """Replace every rotary site of `gm` (in place); record sites and near misses in `report`."""
-    _KEYS.clear()
-    graph, done = gm.graph, {}
+    forget_value_keys()
+    graph, done, fake_mode = gm.graph, {}, graph_fake_mode(gm)
     try:
         for group in group_pairs(graph, find_sites(gm, report)):
             if len(group) == 2:
                 try:
-                    replace(graph, group, done)
+                    replace(graph, group, done, fake_mode)
                 except Exception:  # noqa: BLE001  (fall back to one op per tensor)
                     log.debug("rotary: q+k pair failed, trying one at a time", exc_info=True)
                 else:
@@ -1031,14 +628,14 @@ def rewrite(gm: fx.GraphModule, report) -> None:
                         report.replaced(KIND, s.anchor, _detail(s, "q+k in one rotary_qk"))
                     continue
             for s in group:
-                _replace_one(graph, s, report, done)
+                _replace_one(graph, s, report, done, fake_mode)
     finally:
-        _KEYS.clear()
+        forget_value_keys()
 
 
-def _replace_one(graph: fx.Graph, site: RotarySite, report, done: dict) -> None:
+def _replace_one(graph: fx.Graph, site: RotarySite, report, done: dict, fake_mode) -> None:
     try:
-        replace(graph, [site], done)
+        replace(graph, [site], done, fake_mode)
     except Miss as e:
         report.missed(KIND, site.anchor, str(e))
     except Exception as e:  # noqa: BLE001  (never fail a compile over a pattern)

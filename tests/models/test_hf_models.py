@@ -1,0 +1,293 @@
+"""HF transformers families, fused end to end (issue: eager HF attention and rotary, compiled).
+
+Tiny random-weight models built from configs (no downloads), `attn_implementation="eager"`, all
+dropout off (the kernels have none yet, and a random mask could not be compared anyway). For each
+family, compiled against eager:
+
+* counts: `counters["fuse_plugin"]` per compiled graph: every attention layer (T5: the encoder's
+  self attention, the decoder's self and cross attention) and every rotated tensor (a q+k pair
+  counts 2, see fuse_plugin/patterns/rotary.py);
+* values: logits equal eager everywhere (fp32 rel ≤ 1e-5), the padded positions included (eager
+  gives them finite values: a row masked everywhere with finfo.min has uniform weights, and the op
+  reproduces that), and in training the gradients of every parameter (≤ 1e-4);
+* with a padding `attention_mask` (left padding for decoders, right padding for encoders) and
+  without one.
+
+GPT-2 runs twice: as configured by default, and with `reorder_and_upcast_attn=True`, whose scores
+are a baddbmm over merged (batch, heads) in fp32.
+
+Most families run through `helpers.rewrite_aot_eager` (our rewrite + AOTAutograd with the ops'
+autograd, eager kernels): the same graph Inductor would get, compiled in a fraction of the time.
+Llama and T5 also run through the real backend (Inductor on the CPU). One decoder compiles with a
+dynamic sequence length and must not recompile across three lengths; one decodes a token against
+its KV cache.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+from helpers import rel_err, rewrite_aot_eager
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[test]'): the HF family tests need it"
+)
+
+import fuse_plugin  # noqa: E402,F401  (registers the ops and the backend)
+
+VOCAB, BATCH, SEQ, PAD = 96, 2, 12, 4
+LOGITS_TOL, GRAD_TOL = 1e-5, 1e-4
+ZERO_GRAD = 1e-8  # relative to the model's gradient norm: a gradient that is zero but for rounding
+
+
+# =============================================================================== the families
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    make: Callable[[], "torch.nn.Module"]
+    attention: int  # attention sites per compiled graph
+    rotary: int  # rotated tensors per compiled graph (q and k of each layer: 2 per layer)
+    kind: str = "decoder"  # "decoder" (left padding) | "encoder" (right padding) | "encoder-decoder"
+
+
+def _decoder_config(cls, **extra):
+    """2 layers, hidden 64, 4 heads of 16, dropout off (each config names its dropout differently)."""
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return cls(**{**common, **extra})
+
+
+def _model(model_cls, config):
+    torch.manual_seed(0)
+    return model_cls._from_config(config, attn_implementation="eager")
+
+
+def _llama():
+    return _model(transformers.LlamaForCausalLM, _decoder_config(transformers.LlamaConfig, num_key_value_heads=2))
+
+
+def _mistral():
+    return _model(transformers.MistralForCausalLM,
+                  _decoder_config(transformers.MistralConfig, num_key_value_heads=2, sliding_window=None))
+
+
+def _qwen2():
+    return _model(transformers.Qwen2ForCausalLM, _decoder_config(transformers.Qwen2Config, num_key_value_heads=2))
+
+
+def _gemma():  # MQA (one kv head), head_dim given explicitly
+    return _model(transformers.GemmaForCausalLM,
+                  _decoder_config(transformers.GemmaConfig, num_key_value_heads=1, head_dim=16))
+
+
+def _phi3():  # fused qkv projection, rotary through Phi-3's partial-rotary code path
+    return _model(transformers.Phi3ForCausalLM, _decoder_config(transformers.Phi3Config, num_key_value_heads=2))
+
+
+def _gpt_neox():  # partial rotary: the first 8 of 16 channels
+    cfg = _decoder_config(transformers.GPTNeoXConfig, rotary_pct=0.5, hidden_dropout=0.0, attention_dropout=0.0)
+    return _model(transformers.GPTNeoXForCausalLM, cfg)
+
+
+def _gpt_j():  # interleaved (rotate_every_two) partial rotary: 8 of 16 channels
+    cfg = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    return _model(transformers.GPTJForCausalLM, cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2)
+    return _model(transformers.GPT2LMHeadModel, cfg)
+
+
+def _gpt2_reordered():  # reorder_and_upcast_attn: scores by baddbmm over merged (batch, heads), in fp32
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
+                                  reorder_and_upcast_attn=True, scale_attn_by_inverse_layer_idx=True)
+    return _model(transformers.GPT2LMHeadModel, cfg)
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, pad_token_id=0)
+    return _model(transformers.BertForMaskedLM, cfg)
+
+
+def _t5():  # relative position bias (a learned additive bias: its gradient goes through the op)
+    cfg = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                                num_heads=4, dropout_rate=0.0, pad_token_id=0, eos_token_id=2,
+                                decoder_start_token_id=0)
+    return _model(transformers.T5ForConditionalGeneration, cfg)
+
+
+FAMILIES = [
+    Family("llama", _llama, attention=2, rotary=4),
+    Family("mistral", _mistral, attention=2, rotary=4),
+    Family("qwen2", _qwen2, attention=2, rotary=4),
+    Family("gemma", _gemma, attention=2, rotary=4),
+    Family("phi3", _phi3, attention=2, rotary=4),
+    Family("gpt_neox", _gpt_neox, attention=2, rotary=4),
+    Family("gpt_j", _gpt_j, attention=2, rotary=4),
+    Family("gpt2", _gpt2, attention=2, rotary=0),
+    Family("gpt2_reordered", _gpt2_reordered, attention=2, rotary=0),
+    Family("bert", _bert, attention=2, rotary=0, kind="encoder"),
+    # 2 encoder self attentions + 2 decoder self attentions + 2 cross attentions
+    Family("t5", _t5, attention=6, rotary=0, kind="encoder-decoder"),
+]
+BY_NAME = {f.name: f for f in FAMILIES}
+
+
+def _inputs(family: Family, padding: bool, seq: int = SEQ) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (BATCH, seq), generator=g)
+    kwargs: dict = {"input_ids": ids}
+    if family.kind != "encoder":
+        kwargs["use_cache"] = False
+    if padding:
+        mask = torch.ones(BATCH, seq, dtype=torch.long)
+        if family.kind == "decoder":
+            mask[0, :PAD] = 0  # left padding: those queries see no key at all
+        else:
+            mask[0, seq - PAD:] = 0  # right padding
+        kwargs["attention_mask"] = mask
+    if family.kind == "encoder-decoder":
+        kwargs["decoder_input_ids"] = torch.randint(3, VOCAB, (BATCH, seq - 2), generator=g)
+        if padding:
+            dmask = torch.ones(BATCH, seq - 2, dtype=torch.long)
+            dmask[1, seq - 2 - PAD:] = 0
+            kwargs["decoder_attention_mask"] = dmask
+    return kwargs
+
+
+# =============================================================================== checking
+
+
+class PerGraphCounts:
+    """A backend wrapper that records, per compiled graph, how many sites the rewrite fused."""
+
+    def __init__(self, backend):
+        self.backend = torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+        self.graphs: list[dict] = []
+
+    def __call__(self, gm, example_inputs):
+        before = {k: counters["fuse_plugin"][k] for k in ("attention", "rotary")}
+        compiled = self.backend(gm, example_inputs)
+        self.graphs.append({k: counters["fuse_plugin"][k] - before[k] for k in ("attention", "rotary")})
+        return compiled
+
+
+def check_family(family: Family, padding: bool, backend=rewrite_aot_eager, training: bool = True) -> None:
+    """Compile `family`, run it (and its backward, in training) next to eager; compare counts,
+    logits everywhere and every parameter's gradient."""
+    eager = family.make()
+    model = copy.deepcopy(eager)
+    eager.train(training), model.train(training)
+    kwargs = _inputs(family, padding)
+    torch._dynamo.reset()
+    counters.clear()
+    counting = PerGraphCounts(backend)
+    compiled = torch.compile(model, backend=counting)
+    with torch.set_grad_enabled(training):
+        ref = eager(**kwargs).logits
+        out = compiled(**kwargs).logits
+    expected = {"attention": family.attention, "rotary": family.rotary}
+    assert counting.graphs == [expected], f"fused per graph: {counting.graphs}, expected {expected}"
+    assert counters["fuse_plugin"]["attention"] == family.attention
+    assert counters["fuse_plugin"]["rotary"] == family.rotary
+    assert out.shape == ref.shape and torch.isfinite(ref).all()
+    err = rel_err(out, ref)
+    assert err <= LOGITS_TOL, f"logits rel err {err:.2e}"
+    if not training:
+        return
+    ref.float().square().mean().backward()
+    out.float().square().mean().backward()
+    check_gradients(eager, model)
+
+
+def check_gradients(eager, model) -> None:
+    """Every parameter's gradient, relative error ≤ GRAD_TOL. A gradient that is zero in exact
+    arithmetic (BERT's key bias: adding q·b to every score of a row leaves the softmax as it was)
+    is rounding noise in both models: such a gradient must stay below ZERO_GRAD of the model's
+    whole gradient norm in both, instead of agreeing in relative terms."""
+    named = [(name, p, q) for (name, p), q in zip(eager.named_parameters(), model.parameters())]
+    total = sum(p.grad.double().norm() ** 2 for _, p, _ in named if p.grad is not None).sqrt().item()
+    for name, p, q in named:
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        if p.grad.double().norm().item() <= ZERO_GRAD * total:
+            assert q.grad.double().norm().item() <= ZERO_GRAD * total, f"gradient of {name} is not zero"
+            continue
+        err = rel_err(q.grad, p.grad)
+        assert err <= GRAD_TOL, f"gradient of {name}: rel err {err:.2e}"
+
+
+# =============================================================================== tests
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["no_padding", "padding"])
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_family_training_matches_eager(family, padding):
+    """Training mode (dropout p=0): our rewrite + AOTAutograd; logits and all parameter gradients."""
+    check_family(family, padding)
+
+
+@pytest.mark.parametrize("family", ["llama", "t5"])
+def test_family_inductor_backend(family):
+    """The real backend (`backend="fuse_plugin"`: Inductor on the CPU), training with padding."""
+    check_family(BY_NAME[family], padding=True, backend="fuse_plugin")
+
+
+def test_family_eval_inference():
+    """Eval mode under no_grad (dropout modules off, an inference graph) fuses the same sites."""
+    check_family(BY_NAME["qwen2"], padding=True, training=False)
+
+
+def test_dynamic_sequence_length_no_recompile():
+    """A decoder with the sequence dim marked dynamic: one graph for three lengths, every site fused."""
+    family = BY_NAME["llama"]
+    model = family.make().eval()
+    cnt = CompileCounterWithBackend(rewrite_aot_eager)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=cnt)
+    with torch.no_grad():
+        for seq in (9, 13, 17):
+            kwargs = _inputs(family, padding=True, seq=seq)
+            for name in ("input_ids", "attention_mask"):
+                torch._dynamo.mark_dynamic(kwargs[name], 1)
+            ref = model(**kwargs).logits
+            out = compiled(**kwargs).logits
+            assert rel_err(out, ref) <= LOGITS_TOL
+    assert cnt.frame_count == 1, f"recompiled: {cnt.frame_count} graphs"
+    assert counters["fuse_plugin"]["attention"] == family.attention
+    assert counters["fuse_plugin"]["rotary"] == family.rotary
+
+
+def test_decode_step_with_kv_cache():
+    """A decode step (one new token against the prefill's KV cache, padded batch): fused, equal to eager."""
+    family = BY_NAME["llama"]
+    model = family.make().eval()
+    kwargs = _inputs(family, padding=True)
+    kwargs["use_cache"] = True
+    with torch.no_grad():
+        prefill = model(**kwargs)
+        step = {"input_ids": prefill.logits[:, -1:].argmax(-1), "use_cache": True,
+                "attention_mask": torch.cat([kwargs["attention_mask"], torch.ones(BATCH, 1, dtype=torch.long)], 1)}
+        ref = model(**step, past_key_values=copy.deepcopy(prefill.past_key_values)).logits
+        torch._dynamo.reset()
+        counters.clear()
+        counting = PerGraphCounts(rewrite_aot_eager)
+        out = torch.compile(model, backend=counting)(**step, past_key_values=copy.deepcopy(prefill.past_key_values)).logits
+    assert counting.graphs == [{"attention": family.attention, "rotary": family.rotary}]
+    assert rel_err(out, ref) <= LOGITS_TOL
