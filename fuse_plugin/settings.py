@@ -1,4 +1,4 @@
-"""Process-wide switches of the rewrite (part of the FX-graph-cache key, see autopatch.uuid)."""
+"""Switches of the rewrite, per thread (part of the FX-graph-cache key, see autopatch.uuid)."""
 from __future__ import annotations
 
 import contextlib
