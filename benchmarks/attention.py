@@ -14,6 +14,7 @@ import argparse
 import time
 
 import torch
+from common import emit
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -147,11 +148,7 @@ def main():
         "(inputs, outputs and grads are the same size at both N: no Lq·Lk buffer)",
         f"first call (kernel compile, no tuning), fwd+bwd bf16 D128 causal: {first_call:.1f} s",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

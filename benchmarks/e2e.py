@@ -19,6 +19,7 @@ import gc
 import time
 
 import torch
+from common import emit
 import torch.nn.functional as F
 
 import fuse_plugin
@@ -130,11 +131,7 @@ def main():
         lines.append(f"| {v} | {fmt(r.get('train_tok_s'), '{:.0f}')} | {fmt(r.get('infer_tok_s'), '{:.0f}')} | "
                      f"{fmt(r.get('train_peak_gb'), '{:.1f}')} | {r.get('warmup_s', float('nan')):.0f} |")
         print(lines[-1], f"(params {r['params_m']:.0f}M)", flush=True)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+from common import emit
 
 import fuse_plugin  # noqa: F401
 
@@ -214,11 +215,7 @@ def main():
             ok &= good
             lines.append(f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):36} {errs['out']:8.1e} {errs['dq']:8.1e} {errs['dk']:8.1e}  {'ok' if good else 'FAIL'}")
     lines += ["", f"gpu_check: {'PASS' if ok else 'FAIL'}"]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
     return 0 if ok else 1
 
 

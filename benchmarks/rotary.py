@@ -14,6 +14,7 @@ import argparse
 import time
 
 import torch
+from common import emit
 import triton
 
 import fuse_plugin
@@ -109,11 +110,7 @@ def main():
                 print(lines[-1], flush=True)
             del q, k, src, dst
             torch.cuda.empty_cache()
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
