@@ -7,6 +7,13 @@ Main grid: bf16 and fp16, D 64 and 128, causal and not, N 1k/4k/16k with B·N = 
 Extra rows: D 80/96/256, GQA (Hq/Hkv = 4, 8) against SDPA `enable_gqa=True`, an additive (B,1,N,N)
 bias against cuDNN/efficient (flash takes no mask). Also peak memory of ours at N = 4k and 16k and
 the first-call time (kernel compile, no tuning). Prints a markdown table (and writes it to --out).
+
+Rope + attention table (`--rope-only` runs just it): bf16, D128, causal, GQA 16/4 (Llama), N 2k and
+8k with B·N = 16k, RoPE on q and k then attention, as ms (median) forward and forward+backward:
+`rope_attention` (the rotation in the attention kernels, half-width tables as the recogniser passes
+HF's) vs our `rotary_qk` op then our `attention` op vs the eager HF expression (rotate_half,
+repeat_kv, matmul, fp32 softmax) compiled by stock `torch.compile` vs the HF rope compiled + SDPA
+(`enable_gqa`, the backend torch picks).
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import fuse_plugin  # noqa: F401
+import fuse_plugin
 
 OPS = torch.ops.fuse_plugin
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -87,6 +94,80 @@ def row(label, b, hq, hkv, n, d, dtype, causal, bias, impls):
     return f"| {label} | " + " | ".join(cells) + " |"
 
 
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def hf_rope_attention(q, k, v, cos, sin, sdpa=False):
+    """HF's apply_rotary_pos_emb + eager_attention_forward (or SDPA), cos/sin (B, N, D) full width."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    if sdpa:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    b, hkv, n, d = k.shape
+    g = q.shape[1] // hkv
+    k = k[:, :, None].expand(b, hkv, g, n, d).reshape(b, hkv * g, n, d)
+    v = v[:, :, None].expand(b, hkv, g, n, d).reshape(b, hkv * g, n, d)
+    w = torch.matmul(q, k.transpose(2, 3)) * d**-0.5
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    w = w.masked_fill(~causal, float("-inf"))
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, v)
+
+
+def rope_row(n, d=128, hq=16, hkv=4, dtype=torch.bfloat16):
+    """One row of the rope + attention table: (fwd ms / fwd+bwd ms) per implementation."""
+    b = 16384 // n
+    torch._dynamo.reset()  # each row compiles its own static-shape graphs
+    q = torch.randn(b, hq, n, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hkv, n, d, device="cuda", dtype=dtype, requires_grad=True)
+    freqs = torch.arange(n, device="cuda", dtype=torch.float32)[:, None] * 10000 ** (
+        -torch.arange(0, d, 2, device="cuda", dtype=torch.float32) / d)
+    half_cos, half_sin = freqs.cos().to(dtype)[None, None], freqs.sin().to(dtype)[None, None]  # (1, 1, N, D/2)
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().to(dtype)[None].expand(b, n, d), emb.sin().to(dtype)[None].expand(b, n, d)
+    scale = d**-0.5
+    stock = torch.compile(hf_rope_attention)
+    stock_sdpa = torch.compile(lambda *a: hf_rope_attention(*a, sdpa=True))
+    impls = {
+        "rope_attention": lambda: OPS.rope_attention(q, k, v, half_cos, half_sin, False, d, None, 0.0, True, scale)[0],
+        "rotary_qk + attention": lambda: OPS.attention(*OPS.rotary_qk(q, k, half_cos, half_sin, False, d), v, None, 0.0,
+                                                      True, scale)[0],
+        "compiled HF eager": lambda: stock(q, k, v, cos, sin),
+        "compiled HF rope + SDPA": lambda: stock_sdpa(q, k, v, cos, sin),
+    }
+    cells = []
+    for fn in impls.values():
+        try:
+            with fuse_plugin.disabled():  # stock torch.compile: no rewrite while these compile
+                out = fn()
+                dout = torch.randn_like(out)
+                torch.autograd.grad(out, (q, k, v), dout)
+            fwd = bench_ms(fn)
+            both = bench_ms(lambda: torch.autograd.grad(fn(), (q, k, v), dout))
+            cells.append(f"{fwd:.2f} / {both:.2f}")
+        except torch.OutOfMemoryError:
+            cells.append("OOM")
+        torch.cuda.empty_cache()
+    return list(impls), f"| bf16 D{d} causal GQA {hq}/{hkv} N{n // 1024}k (B{b}) | " + " | ".join(cells) + " |"
+
+
+def rope_table(ns=(2048, 8192)):
+    lines = []
+    for n in ns:
+        names, line = rope_row(n)
+        torch.cuda.empty_cache()
+        if not lines:
+            lines = ["rope + attention, ms (median): fwd / fwd+bwd", "",
+                     "| case | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+        lines.append(line)
+        print(line, flush=True)
+    return lines
+
+
 def peak_memory_gb(n, d=128, dtype=torch.bfloat16):
     b, h = max(1, 16384 // n), 2048 // d
     q, k, v, _ = make_inputs(b, h, h, n, d, dtype, False)
@@ -103,7 +184,12 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="N = 4k only, fewer extra rows")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--rope-only", action="store_true", help="only the rope + attention table")
     args = parser.parse_args()
+    if args.rope_only:
+        emit([f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+              f"{time.strftime('%Y-%m-%d')}", ""] + rope_table(), args.out)
+        return
 
     t0 = time.perf_counter()
     q, k, v, _ = make_inputs(1, 2, 2, 128, 128, torch.bfloat16, False)
@@ -147,7 +233,8 @@ def main():
         f"peak extra memory of ours, fwd+bwd, bf16 D128 causal, B·N = 16k: N=4k {m4:.3f} GB, N=16k {m16:.3f} GB "
         "(inputs, outputs and grads are the same size at both N: no Lq·Lk buffer)",
         f"first call (kernel compile, no tuning), fwd+bwd bf16 D128 causal: {first_call:.1f} s",
-    ]
+        "",
+    ] + rope_table()
     emit(lines, args.out)
 
 

@@ -5,7 +5,8 @@
 For every case: fresh random inputs (never zeros), the output memory poisoned with NaN before the
 call (a NaN left in the result means an element was never written), forward and all gradients
 compared with float64 eager math by ‖x − ref‖ / ‖ref‖. fp32 runs with TF32 off (the eager matmul's
-default), so it must land ≲ 1e-5; fp16/bf16 ≲ 1e-2. Prints a table and a PASS/FAIL line.
+default), so it must land ≲ 1e-5; fp16/bf16 ≲ 1e-2 (rope_attention in bf16 ≲ 2e-2, see ROPE_TOL).
+Prints a table and a PASS/FAIL line.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import fuse_plugin  # noqa: F401
 
 OPS = torch.ops.fuse_plugin
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# rope_attention rounds the rotated q/k to the input dtype before the dots, as the unfused rotary
+# op's output is rounded: in bf16 that alone adds ~5e-3 to the attention's own error.
+ROPE_TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
 def poison_allocator():
@@ -145,6 +149,57 @@ def check_rotary(dtype, case):
     return errs, nan
 
 
+ROPE_ATTENTION_CASES = [
+    # B, Hq, Hkv, L, D, rotary_dim, interleaved, width, causal, bias, deterministic
+    (2, 8, 2, 1000, 128, 128, False, "half", True, None, False),  # Llama
+    (2, 8, 2, 1000, 128, 128, False, "full", True, "float_b1", True),  # HF full-width tables, padding mask
+    (1, 4, 4, 333, 80, 32, False, "full", True, None, False),  # GPT-NeoX-style partial rotary
+    (2, 4, 1, 257, 64, 64, True, "half", False, "bool", False),  # Meta / GPT-J pairs
+    (1, 4, 2, 129, 256, 64, True, "full", True, None, False),  # partial interleaved, wide head
+    (2, 4, 4, 1, 64, 64, False, "half", False, None, False),
+]
+
+
+def check_rope_attention(dtype, case):
+    """rope_attention (rotation folded into the kernels) vs float64 rotate-then-attend."""
+    b, hq, hkv, l, d, rd, inter, width, causal, bias_kind, det = case
+    dev = "cuda"
+    q = torch.randn(b, l, hq, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = torch.randn(b, l, hkv, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, l, hkv, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+    w = rd if width == "full" else rd // 2
+    angle = 100 * torch.rand(b, 1, l, w, device=dev, dtype=torch.float64)  # independent per channel at full width
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    bias = None
+    if bias_kind == "float_b1":
+        bias = torch.zeros(b, 1, 1, l, device=dev, dtype=dtype)
+        bias[0, ..., : l // 4] = torch.finfo(dtype).min
+    elif bias_kind == "bool":
+        bias = torch.rand(b, 1, l, l, device=dev) > 0.5
+        bias[..., 0] = True
+    scale = d**-0.5
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(det)
+    try:
+        poison_allocator()
+        out, _ = OPS.rope_attention(q, k, v, cos, sin, inter, rd, bias, 0.0, causal, scale)
+        dout = torch.randn_like(out)
+        poison_allocator()
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        torch.use_deterministic_algorithms(old)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    rq, rk = ref_rope(leaves[0], cos, sin, inter, rd), ref_rope(leaves[1], cos, sin, inter, rd)
+    rbias = bias if bias is None or bias.dtype == torch.bool else bias.double()
+    ref = ref_attention(rq, rk, leaves[2], rbias, causal, scale)
+    ref_grads = torch.autograd.grad(ref, leaves, dout.double())
+    errs = {"out": rel(out, ref)}
+    for name, g, rg in zip(["dq", "dk", "dv"], grads, ref_grads):
+        errs[name] = rel(g, rg)
+    nan = any(torch.isnan(t).any().item() for t in (out, *grads))
+    return errs, nan
+
+
 def run_opchecks():
     dev = "cuda"
     results = []
@@ -164,6 +219,19 @@ def run_opchecks():
         ("rotary_backward", OPS.rotary_backward.default, (torch.randn(2, 4, 33, 64, device=dev), cos[..., :16], sin[..., :16], True, 32, torch.bfloat16)),
         ("rotary_qk", OPS.rotary_qk.default, (x, kx, cos, sin, True, 64)),
         ("rotary_qk_backward", OPS.rotary_qk_backward.default, (torch.randn(2, 4, 33, 64, device=dev), torch.randn(2, 2, 33, 64, device=dev), cos, sin, False, 64, torch.float32, torch.bfloat16)),
+    ]
+    xq = torch.randn(2, 33, 4, 64, device=dev, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    xk = torch.randn(2, 33, 2, 64, device=dev, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    xv = torch.randn(2, 33, 2, 64, device=dev, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    hc, hs = cos[..., :16].bfloat16(), sin[..., :16].bfloat16()
+    rbias = torch.randn(2, 1, 33, 33, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    rargs = (xq, xk, xv, hc, hs, True, 32, rbias, 0.0, True, 0.125)
+    rout, rlse = OPS.rope_attention(*rargs)
+    samples += [
+        ("rope_attention", OPS.rope_attention.default, rargs),
+        ("rope_attention_backward", OPS.rope_attention_backward.default,
+         (torch.randn_like(rout), xq.detach(), xk.detach(), xv.detach(), hc, hs, True, 32, rbias.detach(), rout.detach(), rlse,
+          0.0, True, 0.125, None, True, False)),
     ]
     for name, op, args in samples:
         try:
@@ -214,6 +282,20 @@ def main():
             good = not nan and all(e <= TOL[dtype] for e in errs.values())
             ok &= good
             lines.append(f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):36} {errs['out']:8.1e} {errs['dq']:8.1e} {errs['dk']:8.1e}  {'ok' if good else 'FAIL'}")
+    lines += ["", "rope_attention (rotation in the attention kernels) parity vs float64:",
+              f"  {'dtype':9} {'B Hq Hkv L D rd interleaved width causal bias deterministic':62} {'out':>8} {'dq':>8} {'dk':>8} {'dv':>8}  result"]
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for case in ROPE_ATTENTION_CASES:
+            try:
+                errs, nan = check_rope_attention(dtype, case)
+            except Exception as e:
+                lines.append(f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):62} ERROR {type(e).__name__}: {str(e)[:100]}")
+                ok = False
+                continue
+            good = not nan and all(e <= ROPE_TOL[dtype] for e in errs.values())
+            ok &= good
+            cols = " ".join(f"{errs[n]:8.1e}" for n in ("out", "dq", "dk", "dv"))
+            lines.append(f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):62} {cols}  {'ok' if good else 'FAIL' + (' (NaN)' if nan else '')}")
     lines += ["", f"gpu_check: {'PASS' if ok else 'FAIL'}"]
     emit(lines, args.out)
     return 0 if ok else 1

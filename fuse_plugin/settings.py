@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 
 _state = threading.local()
@@ -22,6 +23,12 @@ def disabled():
         _state.disabled -= 1
 
 
+def rope_attention_enabled() -> bool:
+    """Fold rotary q+k pairs into their attention (`rope_attention`)? `FUSE_PLUGIN_ROPE_ATTENTION=0`
+    keeps them as rotary_qk + attention (to compare the two)."""
+    return os.environ.get("FUSE_PLUGIN_ROPE_ATTENTION", "1") != "0"
+
+
 def key() -> str:
     """What of the settings changes the rewrite's output."""
-    return f"enabled={rewrite_enabled()}"
+    return f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()}"

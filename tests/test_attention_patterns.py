@@ -1585,6 +1585,7 @@ def test_tiny_llama_trains_like_eager():
         assert abs(e - c) <= 1e-5 * abs(e), losses
     assert losses[-1][0] < losses[0][0]  # it does train
     assert counters["fuse_plugin"]["attention"] == 1
+    assert counters["fuse_plugin"]["rope_attention"] == 1  # its rotary q+k folded in
 
 
 @pytest.mark.parametrize("mask_style", ["tril", "hf"])
@@ -1602,6 +1603,7 @@ def test_tiny_llama_fullgraph_dynamic_no_recompile(mask_style):
             assert rel_err(compiled(ids), model(ids)) <= 1e-5
     assert cnt.frame_count == 1
     assert counters["fuse_plugin"]["attention"] == 2
+    assert counters["fuse_plugin"]["rope_attention"] == 2
 
 
 def test_inductor_backend_forward_backward():
@@ -1658,4 +1660,5 @@ def test_transformers_eager_attention(arch, padding):
         ref = model(**kwargs).last_hidden_state
         out = torch.compile(model, backend=rewrite_aot_eager)(**kwargs).last_hidden_state
     assert counters["fuse_plugin"]["attention"] == sites
+    assert counters["fuse_plugin"]["rope_attention"] == (sites if arch == "llama" else 0)
     assert rel_err(out, ref) <= 1e-5

@@ -53,6 +53,22 @@ Speed
   ``_backward_config``. Nothing is autotuned at a user's call.
 
 No buffer grows with Lq * Lk (except the dbias output itself when asked for).
+
+Rotary embedding folded in (``rope=Rope(cos, sin, interleaved, rotary_dim)``)
+--------------------------------------------------------------------------------
+q and k are passed UN-rotated. Every q/k tile is split into the two members of its R/2 rotated
+channel pairs (half-split: columns [0, R/2) and [R/2, R); interleaved: even and odd columns, one
+contiguous load split in registers) and the pass-through tail [R, D); the pair tiles are rotated in fp32
+with the cos/sin rows of their positions and rounded to the input dtype (what the unfused rotary
+op stores), and q·kᵀ is the sum of the dots of the parts, so nothing is put back in channel
+order. Each program rotates its resident tile once and every streamed tile after its load (the
+forward's key tiles, the backward's query tiles). Backward: dK/dQ are accumulated w.r.t. the
+rotated tiles and rotated back by the transpose of the rotation before the store; the atomic path
+keeps the fp32 dQ accumulator in part order and ``attention_dq_rope_cast_kernel`` rotates it back.
+Pair tiles are max(16, next_pow2(R/2)) wide and the tail max(16, next_pow2(D - R)) (padding
+columns read as 0): R/2 and D - R powers of 2 pad nothing (Llama: D = R = 128, two 64-wide tiles).
+cos/sin: any tables at most 4-D broadcastable to (B, Hq, Lq, W) and (B, Hkv, Lk, W), read
+through their strides (stride 0 where broadcast); W = R or R/2 (one value per pair).
 """
 from __future__ import annotations
 
@@ -66,7 +82,7 @@ from triton.runtime.errors import OutOfResources
 
 from . import tuning
 
-__all__ = ["AttentionConfig", "attention_forward", "attention_backward"]
+__all__ = ["AttentionConfig", "Rope", "attention_forward", "attention_backward"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -189,6 +205,190 @@ def _atomic_add_tile(base, value, row0, n_rows, N_COLS: tl.constexpr, stride_r,
     tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
 
 
+# --------------------------------------------------------------------------------------------
+# q / k head-dim parts and the rotary embedding folded into their loads
+# --------------------------------------------------------------------------------------------
+# q and k tiles are handled as up to three column parts (t0, t1, t2) of widths (D0, D1, D2),
+# a width 0 meaning "absent" (the variable then aliases t0 and is never used):
+#   ROT == 0 (no rope): t0/t1 are ``_load_d``'s columns [0, D0) and [D0, D) (D1 = 0 without a
+#                       split, D2 = 0).
+#   ROT == R > 0:       t0/t1 are the first/second members of the R/2 rotated channel pairs
+#                       (half-split: channels [0, R/2) and [R/2, R); INTERLEAVED: the even and the
+#                       odd channels of [0, R), one contiguous load split in registers), both D0 = D1 =
+#                       max(16, next_pow2(R/2)) wide; t2 is the pass-through tail [R, D), D2 wide
+#                       (0 when R == D). Padding columns read as 0.
+# A dot over the head dim is the sum of the dots over the parts (``_dot_nt``), so the rotated
+# tiles never need to be put back in channel order. The rotation (``_rotate``) runs in fp32 on
+# the loaded tile with the cos/sin values of its rows and is rounded back to the input dtype,
+# as the unfused rotary op's output would be; gradients are rotated back by the transpose of
+# the rotation (``_store_grad``) before they are stored.
+# Tables: ``cos_base``/``sin_base`` point at the (batch, head) of the tile, rows are the tile's
+# sequence positions (stride_tr), columns (stride_tc) the W = R (full width: one value per
+# channel) or W = R/2 (HALF_TABLE: one value per pair) table entries.
+
+
+@triton.jit
+def _load_parts(base, row0, n_rows, stride_r, stride_c, D: tl.constexpr, D0: tl.constexpr,
+                D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+                INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows [row0, row0 + BLOCK_R) of an (n_rows, D) matrix as its head-dim parts (see above)."""
+    if ROT == 0:
+        t0, t1 = _load_d(base, row0, n_rows, stride_r, stride_c, D, D0, D1, BLOCK_R)
+        t2 = t0
+    else:
+        if INTERLEAVED:
+            # one contiguous (coalesced) load of the R rotated channels, split into even/odd
+            x = _load_tile(base, row0, n_rows, ROT, stride_r, stride_c, BLOCK_R, 2 * D0)
+            t0, t1 = tl.split(tl.reshape(x, [BLOCK_R, D0, 2]))
+        else:
+            t0 = _load_tile(base, row0, n_rows, ROT // 2, stride_r, stride_c, BLOCK_R, D0)
+            t1 = _load_tile(base + (ROT // 2) * stride_c, row0, n_rows, ROT // 2, stride_r,
+                            stride_c, BLOCK_R, D1)
+        if D2 != 0:
+            t2 = _load_tile(base + ROT * stride_c, row0, n_rows, D - ROT, stride_r, stride_c,
+                            BLOCK_R, D2)
+        else:
+            t2 = t0
+    return t0, t1, t2
+
+
+@triton.jit
+def _store_parts(base, t0, t1, t2, row0, n_rows, stride_r, stride_c, D: tl.constexpr,
+                 D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Inverse of ``_load_parts``."""
+    if ROT == 0:
+        _store_d(base, t0, t1, row0, n_rows, stride_r, stride_c, D, D0, D1, BLOCK_R)
+    else:
+        if INTERLEAVED:
+            x = tl.reshape(tl.join(t0, t1), [BLOCK_R, 2 * D0])
+            _store_tile(base, x, row0, n_rows, ROT, stride_r, stride_c, BLOCK_R, 2 * D0)
+        else:
+            _store_tile(base, t0, row0, n_rows, ROT // 2, stride_r, stride_c, BLOCK_R, D0)
+            _store_tile(base + (ROT // 2) * stride_c, t1, row0, n_rows, ROT // 2, stride_r,
+                        stride_c, BLOCK_R, D1)
+        if D2 != 0:
+            _store_tile(base + ROT * stride_c, t2, row0, n_rows, D - ROT, stride_r, stride_c,
+                        BLOCK_R, D2)
+
+
+@triton.jit
+def _load_cos_sin(cos_base, sin_base, row0, n_rows, stride_tr, stride_tc, ROT: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """fp32 (c_a, s_a, c_b, s_b): the table values of the first and second pair members."""
+    if HALF_TABLE:
+        ca = _load_tile(cos_base, row0, n_rows, ROT // 2, stride_tr, stride_tc, BLOCK_R,
+                        BLOCK_H).to(tl.float32)
+        sa = _load_tile(sin_base, row0, n_rows, ROT // 2, stride_tr, stride_tc, BLOCK_R,
+                        BLOCK_H).to(tl.float32)
+        cb = ca
+        sb = sa
+    elif INTERLEAVED:
+        c = _load_tile(cos_base, row0, n_rows, ROT, stride_tr, stride_tc, BLOCK_R, 2 * BLOCK_H)
+        s = _load_tile(sin_base, row0, n_rows, ROT, stride_tr, stride_tc, BLOCK_R, 2 * BLOCK_H)
+        ca, cb = tl.split(tl.reshape(c.to(tl.float32), [BLOCK_R, BLOCK_H, 2]))
+        sa, sb = tl.split(tl.reshape(s.to(tl.float32), [BLOCK_R, BLOCK_H, 2]))
+    else:
+        ca = _load_tile(cos_base, row0, n_rows, ROT // 2, stride_tr, stride_tc, BLOCK_R,
+                        BLOCK_H).to(tl.float32)
+        sa = _load_tile(sin_base, row0, n_rows, ROT // 2, stride_tr, stride_tc, BLOCK_R,
+                        BLOCK_H).to(tl.float32)
+        cb = _load_tile(cos_base + (ROT // 2) * stride_tc, row0, n_rows, ROT // 2, stride_tr,
+                        stride_tc, BLOCK_R, BLOCK_H).to(tl.float32)
+        sb = _load_tile(sin_base + (ROT // 2) * stride_tc, row0, n_rows, ROT // 2, stride_tr,
+                        stride_tc, BLOCK_R, BLOCK_H).to(tl.float32)
+    return ca, sa, cb, sb
+
+
+@triton.jit
+def _rotate(xa, xb, ca, sa, cb, sb, TRANSPOSE: tl.constexpr):
+    """The rotation of the pairs (xa, xb) in fp32 (ops/reference.py ``rotary``):
+    forward a·c_a − b·s_a, b·c_b + a·s_b; TRANSPOSE (gradients) a·c_a + b·s_b, b·c_b − a·s_a."""
+    xa = xa.to(tl.float32)
+    xb = xb.to(tl.float32)
+    if TRANSPOSE:
+        ra = xa * ca + xb * sb
+        rb = xb * cb - xa * sa
+    else:
+        ra = xa * ca - xb * sa
+        rb = xb * cb + xa * sb
+    return ra, rb
+
+
+@triton.jit
+def _load_qk(base, row0, n_rows, stride_r, stride_c, cos_base, sin_base, stride_tr, stride_tc,
+             D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+             ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
+             BLOCK_R: tl.constexpr):
+    """``_load_parts`` of a q or k tile, rotated (with ROT) in registers right after the load."""
+    t0, t1, t2 = _load_parts(base, row0, n_rows, stride_r, stride_c, D, D0, D1, D2, ROT,
+                             INTERLEAVED, BLOCK_R)
+    if ROT != 0:
+        ca, sa, cb, sb = _load_cos_sin(cos_base, sin_base, row0, n_rows, stride_tr, stride_tc,
+                                       ROT, INTERLEAVED, HALF_TABLE, BLOCK_R, D0)
+        r0, r1 = _rotate(t0, t1, ca, sa, cb, sb, False)
+        t0 = r0.to(base.dtype.element_ty)
+        t1 = r1.to(base.dtype.element_ty)
+    return t0, t1, t2
+
+
+@triton.jit
+def _store_grad(base, g0, g1, g2, row0, n_rows, stride_r, stride_c, cos_base, sin_base,
+                stride_tr, stride_tc, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                D2: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                HALF_TABLE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Stores the fp32 gradient parts of a q or k tile; with ROT they are gradients w.r.t. the
+    rotated tile and go through the transpose of the rotation first (gradient w.r.t. the input)."""
+    if ROT != 0:
+        ca, sa, cb, sb = _load_cos_sin(cos_base, sin_base, row0, n_rows, stride_tr, stride_tc,
+                                       ROT, INTERLEAVED, HALF_TABLE, BLOCK_R, D0)
+        r0, r1 = _rotate(g0, g1, ca, sa, cb, sb, True)
+        _store_parts(base, r0, r1, g2, row0, n_rows, stride_r, stride_c, D, D0, D1, D2, ROT,
+                     INTERLEAVED, BLOCK_R)
+    else:
+        _store_parts(base, g0, g1, g2, row0, n_rows, stride_r, stride_c, D, D0, D1, D2, ROT,
+                     INTERLEAVED, BLOCK_R)
+
+
+@triton.jit
+def _dot_nt(a0, a1, a2, b0, b1, b2, D1: tl.constexpr, D2: tl.constexpr,
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a · bᵀ over the head dim: the sum of the dots of the parts."""
+    r = _dot(a0, tl.trans(b0), PRECISION, UPCAST)
+    if D1 != 0:
+        r = _dot_acc(a1, tl.trans(b1), r, PRECISION, UPCAST)
+    if D2 != 0:
+        r = _dot_acc(a2, tl.trans(b2), r, PRECISION, UPCAST)
+    return r
+
+
+@triton.jit
+def _atomic_add_dq(dq_base, ds, k0, k1, k2, row0, n_rows, D: tl.constexpr, D0: tl.constexpr,
+                   D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dQA += ds · k per part into the contiguous fp32 (n_rows, D) rows at ``dq_base``. With ROT
+    the buffer holds the parts side by side (columns [0, R/2), [R/2, R), [R, D), whatever the
+    pairing): ``attention_dq_rope_cast_kernel`` rotates them back into channel order."""
+    if ROT == 0:
+        if D1 == 0:
+            _atomic_add_tile(dq_base, _dot(ds, k0, PRECISION, UPCAST), row0, n_rows, D, D,
+                             BLOCK_R, D0)
+        else:
+            _atomic_add_tile(dq_base, _dot(ds, k0, PRECISION, UPCAST), row0, n_rows, D0, D,
+                             BLOCK_R, D0)
+            _atomic_add_tile(dq_base + D0, _dot(ds, k1, PRECISION, UPCAST), row0, n_rows,
+                             D - D0, D, BLOCK_R, D1)
+    else:
+        _atomic_add_tile(dq_base, _dot(ds, k0, PRECISION, UPCAST), row0, n_rows, ROT // 2, D,
+                         BLOCK_R, D0)
+        _atomic_add_tile(dq_base + ROT // 2, _dot(ds, k1, PRECISION, UPCAST), row0, n_rows,
+                         ROT // 2, D, BLOCK_R, D1)
+        if D2 != 0:
+            _atomic_add_tile(dq_base + ROT, _dot(ds, k2, PRECISION, UPCAST), row0, n_rows,
+                             D - ROT, D, BLOCK_R, D2)
+
+
 @triton.jit
 def _pair_ptrs(base, row0, col0, r, c, stride_r, stride_c):
     """Pointers of a (query, key) tile: the tile origin in int64 (row0 * stride_r can pass
@@ -253,20 +453,21 @@ def _probs(s, row_m, row_r, BIAS_KIND: tl.constexpr):
 
 
 @triton.jit
-def _fwd_step(q0, q1, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, start_m, start_n,
-              offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn, stride_vd,
-              stride_bm, stride_bn, score_scale,
-              D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
+              start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
+              stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale,
+              D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
+              ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
               IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
               SCALE_POS: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
               BLOCK_N: tl.constexpr):
-    """One key block of the online softmax."""
-    k0, k1 = _load_d(k_base, start_n, Lk, stride_kn, stride_kd, D, D0, D1, BLOCK_N)
+    """One key block of the online softmax (with ROT, the key tile is rotated after its load)."""
+    k0, k1, k2 = _load_qk(k_base, start_n, Lk, stride_kn, stride_kd, ck_base, sk_base,
+                          stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
+                          BLOCK_N)
     v0, v1 = _load_d(v_base, start_n, Lk, stride_vn, stride_vd, Dv, DV0, DV1, BLOCK_N)
-    qk = _dot(q0, tl.trans(k0), PRECISION, UPCAST_DOT)
-    if D1 != 0:
-        qk = _dot_acc(q1, tl.trans(k1), qk, PRECISION, UPCAST_DOT)
+    qk = _dot_nt(q0, q1, q2, k0, k1, k2, D1, D2, PRECISION, UPCAST_DOT)
     if BIAS_KIND == 0:
         if MASK:
             s = _scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
@@ -305,19 +506,22 @@ def _fwd_step(q0, q1, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, start_m, 
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, Bias, Out, Lse,
+    Q, K, V, Bias, Out, Lse, Cos, Sin,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
+    stride_cqb, stride_cqh, stride_cqm, stride_cqd,
+    stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, kv_group, Lq, Lk, score_scale,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, SCALE_POS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
+    D2: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
 ):
     # 1-D grid (a 2-D one would cap B*Hq at 65535 on the y axis). Query blocks of one head are
     # adjacent so they share K/V in L2; the last (causally heaviest) block is launched first.
@@ -333,13 +537,20 @@ def attention_fwd_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     bias_base = Bias + b * stride_bb + h * stride_bh
+    # rope tables (ROT > 0) at this query head and at its kv head
+    cq_base = Cos + b * stride_cqb + h * stride_cqh
+    sq_base = Sin + b * stride_cqb + h * stride_cqh
+    ck_base = Cos + b * stride_ckb + kvh * stride_ckh
+    sk_base = Sin + b * stride_ckb + kvh * stride_ckh
 
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     rows = start_m + offs_m
 
-    q0, q1 = _load_d(q_base, start_m, Lq, stride_qm, stride_qd, D, D0, D1, BLOCK_M)
+    q0, q1, q2 = _load_qk(q_base, start_m, Lq, stride_qm, stride_qd, cq_base, sq_base,
+                          stride_cqm, stride_cqd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
+                          BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc0 = tl.zeros([BLOCK_M, DV0], tl.float32)
@@ -359,15 +570,17 @@ def attention_fwd_kernel(
         full_end = (Lk // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc0, acc1 = _fwd_step(
-            q0, q1, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, start_m, start_n,
-            offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn, stride_vd,
-            stride_bm, stride_bn, score_scale, D, D0, D1, Dv, DV0, DV1,
+            q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
+            start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
+            stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale,
+            D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, False, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
     for start_n in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc0, acc1 = _fwd_step(
-            q0, q1, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, start_m, start_n,
-            offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn, stride_vd,
-            stride_bm, stride_bn, score_scale, D, D0, D1, Dv, DV0, DV1,
+            q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
+            start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
+            stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale,
+            D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
 
     # A fully masked row has l_i == 0: 0/0 = NaN like eager softmax, and lse = -inf.
@@ -394,17 +607,21 @@ def attention_fwd_kernel(
 
 @triton.jit
 def attention_bwd_preprocess_kernel(
-    Out, DO, Lse, Delta, RowM, RowR, Q, K, Bias, DQA,
+    Out, DO, Lse, Delta, RowM, RowR, Q, K, Bias, DQA, Cos, Sin,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_cqb, stride_cqh, stride_cqm, stride_cqd,
+    stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ZERO_DQ: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
 ):
     """Per row: Delta = rowsum(dO * O); RowM (and RowR with a float bias) = the statistics the
     other backward kernels turn scores into probabilities with. Delta/RowM/RowR are contiguous
@@ -449,8 +666,12 @@ def attention_bwd_preprocess_kernel(
             kvh = h // kv_group
             k_base = K + b * stride_kb + kvh * stride_kh
             bias_base = Bias + b * stride_bb + h * stride_bh
-            q = _load_tile(Q + b * stride_qb + h * stride_qh, start_m, Lq, D, stride_qm, stride_qd,
-                           BLOCK_M, BLOCK_D)
+            ck_base = Cos + b * stride_ckb + kvh * stride_ckh
+            sk_base = Sin + b * stride_ckb + kvh * stride_ckh
+            q0, q1, q2 = _load_qk(Q + b * stride_qb + h * stride_qh, start_m, Lq, stride_qm,
+                                  stride_qd, Cos + b * stride_cqb + h * stride_cqh,
+                                  Sin + b * stride_cqb + h * stride_cqh, stride_cqm, stride_cqd,
+                                  D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE, BLOCK_M)
             offs_n = tl.arange(0, BLOCK_N)
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -459,8 +680,10 @@ def attention_bwd_preprocess_kernel(
             else:
                 hi = Lk
             for start_n in range(0, hi, BLOCK_N):
-                k = _load_tile(k_base, start_n, Lk, D, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
-                qk = _dot(q, tl.trans(k), PRECISION, UPCAST_DOT)
+                k0, k1, k2 = _load_qk(k_base, start_n, Lk, stride_kn, stride_kd, ck_base, sk_base,
+                                      stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED,
+                                      HALF_TABLE, BLOCK_N)
+                qk = _dot_nt(q0, q1, q2, k0, k1, k2, D1, D2, PRECISION, UPCAST_DOT)
                 s = _scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
                             bias_base, stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND,
                             True)
@@ -483,19 +706,23 @@ def attention_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _bwd_step(k0, k1, v0, v1, dk0, dk1, dv0, dv1, q_base, do_base, dq_base, bias_base, ds_base,
-              Delta, RowM, RowR, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
-              stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn,
-              stride_dsm, stride_dsn, score_scale,
-              D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
+              ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m, offs_n,
+              offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn,
+              stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale,
+              D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
+              ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
               IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
               NEED_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
               BLOCK_M: tl.constexpr):
     """One (key block, query block) pair on transposed (keys x queries) tiles: dV += P^T dO and
     dK += dS^T Q stay in registers; dQ += dS K is added atomically (unscaled; the cast kernel
-    applies the softmax scale)."""
-    q0, q1 = _load_d(q_base, start_m, Lq, stride_qm, stride_qd, D, D0, D1, BLOCK_M)
+    applies the softmax scale). With ROT, q (and k) are the rotated tiles, dK/dQ gradients
+    w.r.t. them (rotated back at the store / in the cast kernel)."""
+    q0, q1, q2 = _load_qk(q_base, start_m, Lq, stride_qm, stride_qd, cq_base, sq_base,
+                          stride_cqm, stride_cqd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
+                          BLOCK_M)
     do0, do1 = _load_d(do_base, start_m, Lq, stride_dom, stride_dod, Dv, DV0, DV1, BLOCK_M)
     rows = start_m + offs_m
     row_ok = rows < Lq
@@ -503,9 +730,7 @@ def _bwd_step(k0, k1, v0, v1, dk0, dk1, dv0, dv1, q_base, do_base, dq_base, bias
     row_m = tl.load(RowM + stat_base + rows, mask=row_ok, other=float("inf"))
     delta = tl.load(Delta + stat_base + rows, mask=row_ok, other=0.0)
 
-    qk_t = _dot(k0, tl.trans(q0), PRECISION, UPCAST_DOT)
-    if D1 != 0:
-        qk_t = _dot_acc(k1, tl.trans(q1), qk_t, PRECISION, UPCAST_DOT)
+    qk_t = _dot_nt(k0, k1, k2, q0, q1, q2, D1, D2, PRECISION, UPCAST_DOT)
     if BIAS_KIND == 0 and not MASK:
         p_t = tl.exp2(qk_t * score_scale - row_m[None, :])
     else:
@@ -532,21 +757,16 @@ def _bwd_step(k0, k1, v0, v1, dk0, dk1, dv0, dv1, q_base, do_base, dq_base, bias
     dk0 = _dot_acc(dsc, q0, dk0, PRECISION, UPCAST_DOT)
     if D1 != 0:
         dk1 = _dot_acc(dsc, q1, dk1, PRECISION, UPCAST_DOT)
-    dsc_t = tl.trans(dsc)
-    if D1 == 0:
-        _atomic_add_tile(dq_base, _dot(dsc_t, k0, PRECISION, UPCAST_DOT), start_m, Lq, D, D,
-                         BLOCK_M, D0)
-    else:
-        _atomic_add_tile(dq_base, _dot(dsc_t, k0, PRECISION, UPCAST_DOT), start_m, Lq, D0, D,
-                         BLOCK_M, D0)
-        _atomic_add_tile(dq_base + D0, _dot(dsc_t, k1, PRECISION, UPCAST_DOT), start_m, Lq,
-                         D - D0, D, BLOCK_M, D1)
-    return dk0, dk1, dv0, dv1
+    if D2 != 0:
+        dk2 = _dot_acc(dsc, q2, dk2, PRECISION, UPCAST_DOT)
+    _atomic_add_dq(dq_base, tl.trans(dsc), k0, k1, k2, start_m, Lq, D, D0, D1, D2, ROT,
+                   PRECISION, UPCAST_DOT, BLOCK_M)
+    return dk0, dk1, dk2, dv0, dv1
 
 
 @triton.jit
 def attention_bwd_kernel(
-    Q, K, V, Bias, DO, DQA, DK, DV, DS, Delta, RowM, RowR,
+    Q, K, V, Bias, DO, DQA, DK, DV, DS, Delta, RowM, RowR, Cos, Sin,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -555,12 +775,15 @@ def attention_bwd_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_dsb, stride_dsh, stride_dsm, stride_dsn,
+    stride_cqb, stride_cqh, stride_cqm, stride_cqd,
+    stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
+    D2: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head (looping over the query blocks of every query head
     of its GQA group), and that block's share of dQ (atomics into the fp32 buffer DQA, contiguous
@@ -576,8 +799,11 @@ def attention_bwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
 
-    k0, k1 = _load_d(K + b * stride_kb + kvh * stride_kh, start_n, Lk, stride_kn, stride_kd,
-                     D, D0, D1, BLOCK_N)
+    ck_base = Cos + b * stride_ckb + kvh * stride_ckh
+    sk_base = Sin + b * stride_ckb + kvh * stride_ckh
+    k0, k1, k2 = _load_qk(K + b * stride_kb + kvh * stride_kh, start_n, Lk, stride_kn, stride_kd,
+                          ck_base, sk_base, stride_ckn, stride_ckd, D, D0, D1, D2, ROT,
+                          INTERLEAVED, HALF_TABLE, BLOCK_N)
     v0, v1 = _load_d(V + b * stride_vb + kvh * stride_vh, start_n, Lk, stride_vn, stride_vd,
                      Dv, DV0, DV1, BLOCK_N)
     dk0 = tl.zeros([BLOCK_N, D0], tl.float32)
@@ -586,6 +812,10 @@ def attention_bwd_kernel(
         dk1 = tl.zeros([BLOCK_N, D1], tl.float32)
     else:
         dk1 = dk0
+    if D2 != 0:
+        dk2 = tl.zeros([BLOCK_N, D2], tl.float32)
+    else:
+        dk2 = dk0
     if DV1 != 0:
         dv1 = tl.zeros([BLOCK_N, DV1], tl.float32)
     else:
@@ -609,6 +839,8 @@ def attention_bwd_kernel(
         dq_base = DQA + (b * Hq + h) * Lq * D
         bias_base = Bias + b * stride_bb + h * stride_bh
         ds_base = DS + b * stride_dsb + h * stride_dsh
+        cq_base = Cos + b * stride_cqb + h * stride_cqh
+        sq_base = Sin + b * stride_cqb + h * stride_cqh
         stat_base = (b * Hq + h) * Lq
         if NEED_DS:
             # Key block hidden from query blocks [0, lo) by the causal mask: dS = 0 there.
@@ -619,28 +851,33 @@ def attention_bwd_kernel(
                 tl.store(ds_ptrs, zero, mask=((start_m + offs_m) < Lq)[None, :]
                          & (start_n + offs_n < Lk)[:, None])
         for start_m in range(lo, mid, BLOCK_M):
-            dk0, dk1, dv0, dv1 = _bwd_step(
-                k0, k1, v0, v1, dk0, dk1, dv0, dv1, q_base, do_base, dq_base, bias_base, ds_base,
-                Delta, RowM, RowR, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
-                stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn,
-                stride_dsm, stride_dsn, score_scale, D, D0, D1, Dv, DV0, DV1,
+            dk0, dk1, dk2, dv0, dv1 = _bwd_step(
+                k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
+                ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
+                offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
+                stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale,
+                D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
         # one head do not all add into the same dQ rows at the same time.
         for j in range(0, n_full):
             start_m = mid + ((j + pid_n) % n_full) * BLOCK_M
-            dk0, dk1, dv0, dv1 = _bwd_step(
-                k0, k1, v0, v1, dk0, dk1, dv0, dv1, q_base, do_base, dq_base, bias_base, ds_base,
-                Delta, RowM, RowR, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
-                stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn,
-                stride_dsm, stride_dsn, score_scale, D, D0, D1, Dv, DV0, DV1,
+            dk0, dk1, dk2, dv0, dv1 = _bwd_step(
+                k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
+                ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
+                offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
+                stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale,
+                D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, False, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
 
     dk0 = dk0 * sm_scale
     if D1 != 0:
         dk1 = dk1 * sm_scale
-    _store_d(DK + b * stride_dkb + kvh * stride_dkh, dk0, dk1, start_n, Lk, stride_dkn,
-             stride_dkd, D, D0, D1, BLOCK_N)
+    if D2 != 0:
+        dk2 = dk2 * sm_scale
+    _store_grad(DK + b * stride_dkb + kvh * stride_dkh, dk0, dk1, dk2, start_n, Lk, stride_dkn,
+                stride_dkd, ck_base, sk_base, stride_ckn, stride_ckd, D, D0, D1, D2, ROT,
+                INTERLEAVED, HALF_TABLE, BLOCK_N)
     _store_d(DV + b * stride_dvb + kvh * stride_dvh, dv0, dv1, start_n, Lk, stride_dvn,
              stride_dvd, Dv, DV0, DV1, BLOCK_N)
 
@@ -654,6 +891,38 @@ def attention_dq_cast_kernel(DQA, DQ, numel, sm_scale, BLOCK: tl.constexpr):
     tl.store(DQ + offs, (x * sm_scale).to(DQ.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def attention_dq_rope_cast_kernel(
+    DQA, DQ, Cos, Sin,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_cqb, stride_cqh, stride_cqm, stride_cqd,
+    Hq, Lq, sm_scale,
+    D: tl.constexpr, D0: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """The rope variant of the cast: DQA (contiguous fp32 (B, Hq, Lq, D), the gradient w.r.t.
+    the rotated q with the parts side by side, see ``_atomic_add_dq``) is scaled, rotated back by
+    the transpose of the rotation (q's tables) and stored in channel order in DQ's dtype."""
+    n_m_blocks = tl.cdiv(Lq, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = pid % n_m_blocks
+    pid_bh = pid // n_m_blocks
+    b = (pid_bh // Hq).to(tl.int64)
+    h = (pid_bh % Hq).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    src = DQA + pid_bh.to(tl.int64) * Lq * D
+    g0 = _load_tile(src, start_m, Lq, ROT // 2, D, 1, BLOCK_M, D0) * sm_scale
+    g1 = _load_tile(src + ROT // 2, start_m, Lq, ROT // 2, D, 1, BLOCK_M, D0) * sm_scale
+    if D2 != 0:
+        g2 = _load_tile(src + ROT, start_m, Lq, D - ROT, D, 1, BLOCK_M, D2) * sm_scale
+    else:
+        g2 = g0
+    _store_grad(DQ + b * stride_dqb + h * stride_dqh, g0, g1, g2, start_m, Lq, stride_dqm,
+                stride_dqd, Cos + b * stride_cqb + h * stride_cqh,
+                Sin + b * stride_cqb + h * stride_cqh, stride_cqm, stride_cqd, D, D0, D0, D2,
+                ROT, INTERLEAVED, HALF_TABLE, BLOCK_M)
+
+
 # --------------------------------------------------------------------------------------------
 # Backward: deterministic path (two atomic-free kernels)
 # --------------------------------------------------------------------------------------------
@@ -661,7 +930,7 @@ def attention_dq_cast_kernel(DQA, DQ, numel, sm_scale, BLOCK: tl.constexpr):
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, Bias, DO, DK, DV, Delta, RowM, RowR,
+    Q, K, V, Bias, DO, DK, DV, Delta, RowM, RowR, Cos, Sin,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -669,13 +938,18 @@ def attention_bwd_dkdv_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    stride_cqb, stride_cqh, stride_cqm, stride_cqd,
+    stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, Hkv, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
 ):
     """dK, dV of one key block of one KV head. Works on transposed (keys x queries) tiles so that
-    both accumulations are plain dots: dV += P^T dO, dK += dS^T Q * scale."""
+    both accumulations are plain dots: dV += P^T dO, dK += dS^T Q * scale. q/k as head-dim parts
+    (without rope one tile: D0 = the padded head dim, D1 = D2 = 0)."""
     n_n_blocks = tl.cdiv(Lk, BLOCK_N)
     pid = tl.program_id(0)
     pid_n = pid % n_n_blocks
@@ -686,11 +960,22 @@ def attention_bwd_dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
 
-    k = _load_tile(K + b * stride_kb + kvh * stride_kh, start_n, Lk, D, stride_kn, stride_kd,
-                   BLOCK_N, BLOCK_D)
+    ck_base = Cos + b * stride_ckb + kvh * stride_ckh
+    sk_base = Sin + b * stride_ckb + kvh * stride_ckh
+    k0, k1, k2 = _load_qk(K + b * stride_kb + kvh * stride_kh, start_n, Lk, stride_kn, stride_kd,
+                          ck_base, sk_base, stride_ckn, stride_ckd, D, D0, D1, D2, ROT,
+                          INTERLEAVED, HALF_TABLE, BLOCK_N)
     v = _load_tile(V + b * stride_vb + kvh * stride_vh, start_n, Lk, Dv, stride_vn, stride_vd,
                    BLOCK_N, BLOCK_DV)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk0 = tl.zeros([BLOCK_N, D0], tl.float32)
+    if D1 != 0:
+        dk1 = tl.zeros([BLOCK_N, D1], tl.float32)
+    else:
+        dk1 = dk0
+    if D2 != 0:
+        dk2 = tl.zeros([BLOCK_N, D2], tl.float32)
+    else:
+        dk2 = dk0
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
     # Causal: query blocks ending before this key block's first key see none of it.
@@ -704,9 +989,13 @@ def attention_bwd_dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         bias_base = Bias + b * stride_bb + h * stride_bh
+        cq_base = Cos + b * stride_cqb + h * stride_cqh
+        sq_base = Sin + b * stride_cqb + h * stride_cqh
         stat_base = (b * Hq + h) * Lq
         for start_m in range(lo, Lq, BLOCK_M):
-            q = _load_tile(q_base, start_m, Lq, D, stride_qm, stride_qd, BLOCK_M, BLOCK_D)
+            q0, q1, q2 = _load_qk(q_base, start_m, Lq, stride_qm, stride_qd, cq_base, sq_base,
+                                  stride_cqm, stride_cqd, D, D0, D1, D2, ROT, INTERLEAVED,
+                                  HALF_TABLE, BLOCK_M)
             do = _load_tile(do_base, start_m, Lq, Dv, stride_dom, stride_dod, BLOCK_M, BLOCK_DV)
             rows = start_m + offs_m
             row_ok = rows < Lq
@@ -717,7 +1006,7 @@ def attention_bwd_dkdv_kernel(
                 row_r = tl.load(RowR + stat_base + rows, mask=row_ok, other=0.0)
             else:
                 row_r = row_m  # unused
-            qk_t = _dot(k, tl.trans(q), PRECISION, UPCAST_DOT)
+            qk_t = _dot_nt(k0, k1, k2, q0, q1, q2, D1, D2, PRECISION, UPCAST_DOT)
             s_t = _scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None], Lq, Lk,
                           bias_base, stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND,
                           True)
@@ -725,18 +1014,28 @@ def attention_bwd_dkdv_kernel(
             dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST_DOT)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += _dot(ds_t.to(q.dtype), q, PRECISION, UPCAST_DOT)
+            dsc = ds_t.to(q0.dtype)
+            dk0 += _dot(dsc, q0, PRECISION, UPCAST_DOT)
+            if D1 != 0:
+                dk1 += _dot(dsc, q1, PRECISION, UPCAST_DOT)
+            if D2 != 0:
+                dk2 += _dot(dsc, q2, PRECISION, UPCAST_DOT)
 
-    dk = dk * sm_scale
-    _store_tile(DK + b * stride_dkb + kvh * stride_dkh, dk, start_n, Lk, D, stride_dkn, stride_dkd,
-                BLOCK_N, BLOCK_D)
+    dk0 = dk0 * sm_scale
+    if D1 != 0:
+        dk1 = dk1 * sm_scale
+    if D2 != 0:
+        dk2 = dk2 * sm_scale
+    _store_grad(DK + b * stride_dkb + kvh * stride_dkh, dk0, dk1, dk2, start_n, Lk, stride_dkn,
+                stride_dkd, ck_base, sk_base, stride_ckn, stride_ckd, D, D0, D1, D2, ROT,
+                INTERLEAVED, HALF_TABLE, BLOCK_N)
     _store_tile(DV + b * stride_dvb + kvh * stride_dvh, dv, start_n, Lk, Dv, stride_dvn,
                 stride_dvd, BLOCK_N, BLOCK_DV)
 
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, Bias, DO, DQ, DS, Delta, RowM, RowR,
+    Q, K, V, Bias, DO, DQ, DS, Delta, RowM, RowR, Cos, Sin,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -744,10 +1043,14 @@ def attention_bwd_dq_kernel(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_dsb, stride_dsh, stride_dsm, stride_dsn,
+    stride_cqb, stride_cqh, stride_cqm, stride_cqd,
+    stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
 ):
     """dQ of one query block (dQ += dS K * scale over the visible key blocks); with NEED_DS also
     writes every element of that block's rows of dS (zeros for causally skipped key blocks)."""
@@ -768,8 +1071,13 @@ def attention_bwd_dq_kernel(
     v_base = V + b * stride_vb + kvh * stride_vh
     bias_base = Bias + b * stride_bb + h * stride_bh
     ds_base = DS + b * stride_dsb + h * stride_dsh
-    q = _load_tile(Q + b * stride_qb + h * stride_qh, start_m, Lq, D, stride_qm, stride_qd,
-                   BLOCK_M, BLOCK_D)
+    cq_base = Cos + b * stride_cqb + h * stride_cqh
+    sq_base = Sin + b * stride_cqb + h * stride_cqh
+    ck_base = Cos + b * stride_ckb + kvh * stride_ckh
+    sk_base = Sin + b * stride_ckb + kvh * stride_ckh
+    q0, q1, q2 = _load_qk(Q + b * stride_qb + h * stride_qh, start_m, Lq, stride_qm, stride_qd,
+                          cq_base, sq_base, stride_cqm, stride_cqd, D, D0, D1, D2, ROT,
+                          INTERLEAVED, HALF_TABLE, BLOCK_M)
     do = _load_tile(DO + b * stride_dob + h * stride_doh, start_m, Lq, Dv, stride_dom, stride_dod,
                     BLOCK_M, BLOCK_DV)
     stat_off = pid_bh.to(tl.int64) * Lq + rows
@@ -779,16 +1087,26 @@ def attention_bwd_dq_kernel(
         row_r = tl.load(RowR + stat_off, mask=row_ok, other=0.0)
     else:
         row_r = row_m  # unused
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq0 = tl.zeros([BLOCK_M, D0], tl.float32)
+    if D1 != 0:
+        dq1 = tl.zeros([BLOCK_M, D1], tl.float32)
+    else:
+        dq1 = dq0
+    if D2 != 0:
+        dq2 = tl.zeros([BLOCK_M, D2], tl.float32)
+    else:
+        dq2 = dq0
 
     if IS_CAUSAL:
         hi = tl.minimum(Lk, start_m + BLOCK_M)
     else:
         hi = Lk
     for start_n in range(0, hi, BLOCK_N):
-        k = _load_tile(k_base, start_n, Lk, D, stride_kn, stride_kd, BLOCK_N, BLOCK_D)
+        k0, k1, k2 = _load_qk(k_base, start_n, Lk, stride_kn, stride_kd, ck_base, sk_base,
+                              stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED,
+                              HALF_TABLE, BLOCK_N)
         v = _load_tile(v_base, start_n, Lk, Dv, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
-        qk = _dot(q, tl.trans(k), PRECISION, UPCAST_DOT)
+        qk = _dot_nt(q0, q1, q2, k0, k1, k2, D1, D2, PRECISION, UPCAST_DOT)
         s = _scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk, bias_base,
                     stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND, True)
         p = _probs(s, row_m[:, None], row_r[:, None], BIAS_KIND)
@@ -798,7 +1116,12 @@ def attention_bwd_dq_kernel(
             ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[:, None], offs_n[None, :],
                                  stride_dsm, stride_dsn)
             tl.store(ds_ptrs, ds, mask=row_ok[:, None] & (start_n + offs_n < Lk)[None, :])
-        dq += _dot(ds.to(k.dtype), k, PRECISION, UPCAST_DOT)
+        dsc = ds.to(k0.dtype)
+        dq0 += _dot(dsc, k0, PRECISION, UPCAST_DOT)
+        if D1 != 0:
+            dq1 += _dot(dsc, k1, PRECISION, UPCAST_DOT)
+        if D2 != 0:
+            dq2 += _dot(dsc, k2, PRECISION, UPCAST_DOT)
 
     if NEED_DS:
         # Key blocks the causal loop skipped are entirely masked: their dS is 0.
@@ -808,9 +1131,14 @@ def attention_bwd_dq_kernel(
                                  stride_dsm, stride_dsn)
             tl.store(ds_ptrs, zero, mask=row_ok[:, None] & (start_n + offs_n < Lk)[None, :])
 
-    dq = dq * sm_scale
-    _store_tile(DQ + b * stride_dqb + h * stride_dqh, dq, start_m, Lq, D, stride_dqm, stride_dqd,
-                BLOCK_M, BLOCK_D)
+    dq0 = dq0 * sm_scale
+    if D1 != 0:
+        dq1 = dq1 * sm_scale
+    if D2 != 0:
+        dq2 = dq2 * sm_scale
+    _store_grad(DQ + b * stride_dqb + h * stride_dqh, dq0, dq1, dq2, start_m, Lq, stride_dqm,
+                stride_dqd, cq_base, sq_base, stride_cqm, stride_cqd, D, D0, D1, D2, ROT,
+                INTERLEAVED, HALF_TABLE, BLOCK_M)
 
 
 # --------------------------------------------------------------------------------------------
@@ -951,16 +1279,19 @@ def _pick_config(kernel: str, q: torch.Tensor, D: int, Dv: int, causal: bool, ki
 _FAILED_CONFIGS: dict = {}
 
 
-def _launch(launch, cfg: AttentionConfig, user_given: bool):
+def _launch(launch, cfg: AttentionConfig, user_given: bool, variant: Optional[str] = None):
     """Runs ``launch(cfg)``. A table/heuristic config the GPU cannot hold (shared memory, e.g. a
     table entry tuned with a bf16 bias meeting an fp32 one) is retried with fewer pipeline
     stages, then with the smallest tiles, with a warning, rather than failing the user's call;
-    the working fallback is remembered. A config the user passed is never changed."""
+    the working fallback is remembered (per ``variant``: the rope kernels, which hold more, keep
+    their own memo so that they never downgrade the plain kernels). A config the user passed is
+    never changed."""
     if user_given:
         return launch(cfg)
     tries = [cfg] + [cfg._replace(num_stages=s) for s in range(cfg.num_stages - 1, 0, -1)]
     tries.append(_SAFE_CONFIG)
-    start = _FAILED_CONFIGS.get(cfg, 0)
+    memo = cfg if variant is None else (variant, cfg)
+    start = _FAILED_CONFIGS.get(memo, 0)
     for i in range(start, len(tries)):
         try:
             result = launch(tries[i])
@@ -971,7 +1302,7 @@ def _launch(launch, cfg: AttentionConfig, user_given: bool):
                           f"({e}); trying {tries[i + 1]}", RuntimeWarning, stacklevel=3)
             continue
         if i:
-            _FAILED_CONFIGS[cfg] = i
+            _FAILED_CONFIGS[memo] = i
         return result
     raise AssertionError("unreachable")
 
@@ -1055,9 +1386,90 @@ def _bias_elt(bias_t, kind) -> int:
     return 0 if kind == _NO_BIAS else bias_t.element_size()
 
 
+class Rope(NamedTuple):
+    """The rotary embedding folded into the kernels (``rope=`` of the launchers): q and k are
+    given un-rotated and each tile is rotated after its load (``fuse_plugin::rotary`` semantics:
+    the first ``rotary_dim`` channels, half-split or interleaved pairs, in fp32, rounded to q's
+    dtype). cos/sin: last dim ``rotary_dim`` (full width) or ``rotary_dim // 2`` (half width),
+    at most 4-D and broadcastable to (B, Hq, Lq, W) and to (B, Hkv, Lk, W); any strides."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+    rotary_dim: int
+
+
+_NO_ROPE = dict(ROT=0, INTERLEAVED=False, HALF_TABLE=False)
+
+
+def _rope_parts(D: int, rotary_dim: int) -> tuple[int, int, int]:
+    """Tile widths (D0, D1, D2) of the rope parts: the two pair members, the pass-through tail."""
+    h = _block_d(rotary_dim // 2)
+    return h, h, (0 if rotary_dim == D else _block_d(D - rotary_dim))
+
+
+def _rope_args(rope: Optional[Rope], q, k):
+    """(cos, sin, q-view table strides, k-view table strides, constexprs) of a launch; dummies
+    without rope. cos and sin are read with one set of strides: tables whose broadcast views
+    differ in strides are materialised (small: no head dim, usually)."""
+    if rope is None:
+        return q, q, (0, 0, 0, 0), (0, 0, 0, 0), dict(_NO_ROPE)
+    cos, sin, interleaved, R = rope
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if not isinstance(R, int) or R <= 0 or R % 2 or R > D:
+        raise ValueError(f"rotary_dim={R} must be even and in [2, {D}]")
+    W = cos.shape[-1]
+    if W not in (R, R // 2) or sin.shape[-1] != W:
+        raise ValueError(f"cos/sin last dim {W} must be rotary_dim={R} or rotary_dim//2={R // 2}")
+    if cos.dim() > 4 or sin.dim() > 4:
+        raise ValueError("cos/sin must have at most 4 dims")
+    for t in (cos, sin):
+        if t.device != q.device or not t.dtype.is_floating_point:
+            raise ValueError(f"cos/sin must be float tensors on {q.device}")
+
+    def views(c, s):
+        return (c.expand(B, Hq, Lq, W), s.expand(B, Hq, Lq, W),
+                c.expand(B, Hkv, Lk, W), s.expand(B, Hkv, Lk, W))
+
+    cq, sq, ck, sk = views(cos, sin)
+    if cq.stride() != sq.stride() or ck.stride() != sk.stride():
+        cos, sin = (t.contiguous() for t in torch.broadcast_tensors(cos, sin))
+        cq, sq, ck, sk = views(cos, sin)
+    consts = dict(ROT=R, INTERLEAVED=bool(interleaved), HALF_TABLE=W != R)
+    return cos, sin, cq.stride(), ck.stride(), consts
+
+
+def _rope_adjust(kernel: str, cfg: AttentionConfig, dtype: torch.dtype, consts: dict) -> AttentionConfig:
+    """The plain kernels' table/heuristic config, adjusted where the rope variant (more live
+    registers: the table tiles, the rotation) spilled in local sm_90 compiles (Triton 3.9, ptxas
+    -v) and the change removed or cut the spills. Not timed on a GPU yet."""
+    if not consts["ROT"]:
+        return cfg
+    if kernel == "fwd":
+        if dtype == torch.float32:  # ieee dots keep the rotated key tile in registers
+            return cfg._replace(block_n=min(cfg.block_n, 32))
+        if consts["INTERLEAVED"] and cfg.num_warps < 8:  # 64x64 / 4 warps: ~1 KB of spills
+            return cfg._replace(num_warps=8)
+    elif kernel == "bwd" and consts["INTERLEAVED"]:  # 64x128: ~0.9 KB of spills, 64x64: ~0.25
+        return cfg._replace(block_n=min(cfg.block_n, 64))
+    return cfg
+
+
+def _qk_parts(D: int, split: bool, consts: dict) -> tuple[int, int, int]:
+    if consts["ROT"]:
+        return _rope_parts(D, consts["ROT"])
+    return (*_d_parts(D, split), 0)
+
+
+def _table_tiles(scq, sck, bm, bn, W):
+    return [("cos/sin (q)", scq[2], scq[3], bm, W), ("cos/sin (k)", sck[2], sck[3], bn, W)]
+
+
 def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
-                      config: Optional[AttentionConfig] = None):
-    """Returns ``(out, lse)``; see the module docstring for shapes and semantics."""
+                      config: Optional[AttentionConfig] = None, rope: Optional[Rope] = None):
+    """Returns ``(out, lse)``; see the module docstring for shapes and semantics. With ``rope``
+    (a ``Rope``), q and k are un-rotated and rotated in registers after each load."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     B, Hq, Lq, D = q.shape
@@ -1066,40 +1478,44 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     lse = _empty((B, Hq, Lq), torch.float32, q.device)
     if B * Hq == 0:
         return out, lse
+    cos, sin, scq, sck, rc = _rope_args(rope, q, k)
     kind, bias_t, sb = _bias_args(bias, q)
     user_given = config is not None
-    cfg = AttentionConfig(*config) if user_given else _pick_config(
-        "fwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
+    cfg = AttentionConfig(*config) if user_given else _rope_adjust("fwd", _pick_config(
+        "fwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind)), q.dtype, rc)
     _check_config(cfg)
 
     def launch(cfg):
-        d0, d1 = _d_parts(D, cfg.split_d)
+        d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)
         dv0, dv1 = _d_parts(Dv, cfg.split_d)
         bm, bn = cfg.block_m, cfg.block_n
-        _check_tile_offsets([("q", *q.stride()[2:], bm, d0 + d1),
-                             ("k", *k.stride()[2:], bn, d0 + d1),
+        dcols = max(d0 + d1 + d2, D)
+        _check_tile_offsets([("q", *q.stride()[2:], bm, dcols),
+                             ("k", *k.stride()[2:], bn, dcols),
                              ("v", *v.stride()[2:], bn, dv0 + dv1),
-                             ("out", *out.stride()[2:], bm, dv0 + dv1), ("bias", *sb[2:], bm, bn)])
+                             ("out", *out.stride()[2:], bm, dv0 + dv1), ("bias", *sb[2:], bm, bn)]
+                            + _table_tiles(scq, sck, bm, bn, cos.shape[-1]))
         grid = (triton.cdiv(Lq, bm) * B * Hq,)
         attention_fwd_kernel[grid](
-            q, k, v, bias_t, out, lse,
-            *q.stride(), *k.stride(), *v.stride(), *sb, *out.stride(), *lse.stride(),
+            q, k, v, bias_t, out, lse, cos, sin,
+            *q.stride(), *k.stride(), *v.stride(), *sb, *out.stride(), *lse.stride(), *scq, *sck,
             Hq, Hq // Hkv, Lq, Lk, _score_scale(kind, scale), D, Dv,
             IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, SCALE_POS=bool(scale >= 0),
             PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
-            BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1,
+            BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch(launch, cfg, user_given)
+    _launch(launch, cfg, user_given, "rope" if rc["ROT"] else None)
     return out, lse
 
 
 def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale: float,
                        need_dbias: bool, config: Optional[AttentionConfig] = None,
-                       deterministic: Optional[bool] = None):
+                       deterministic: Optional[bool] = None, rope: Optional[Rope] = None):
     """Returns ``(dq, dk, dv, dbias_or_None)``; see the module docstring. ``deterministic``
-    (default: ``torch.are_deterministic_algorithms_enabled()``) picks the atomic-free kernels."""
+    (default: ``torch.are_deterministic_algorithms_enabled()``) picks the atomic-free kernels.
+    With ``rope``, q and k are the un-rotated inputs and dq/dk the gradients w.r.t. them."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     dout = dout.contiguous()
@@ -1118,6 +1534,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     if B * Hq == 0:
         return dq, dk, dv, dbias
 
+    cos, sin, scq, sck, rc = _rope_args(rope, q, k)
     kind, bias_t, sb = _bias_args(bias, q)
     user_given = config is not None
     if user_given:
@@ -1125,11 +1542,15 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     elif deterministic:
         cfg = _deterministic_backward_config(D, Dv, q.dtype)
     else:
-        cfg = _pick_config("bwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
+        cfg = _rope_adjust("bwd", _pick_config("bwd", q, D, Dv, is_causal, kind, Lq, Lk,
+                                               _bias_elt(bias_t, kind)), q.dtype, rc)
     _check_config(cfg)
     score_scale = _score_scale(kind, scale)
     common = dict(IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, PRECISION=_dot_precision(q),
                   UPCAST_DOT=_upcast_dot(q))
+    # The atomic-free kernels and the preprocess read q/k whole (one tile) or as the rope parts.
+    one = _qk_parts(D, False, rc)
+    W = cos.shape[-1]
 
     delta = _empty((B, Hq, Lq), torch.float32, dev)
     row_m = _empty((B, Hq, Lq), torch.float32, dev)
@@ -1138,10 +1559,11 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     dqa = _empty((B, Hq, Lq, D), torch.float32, dev) if not deterministic else delta
     pre_m = 64
     attention_bwd_preprocess_kernel[(triton.cdiv(Lq, pre_m) * B * Hq,)](
-        out, dout, lse, delta, row_m, row_r, q, k, bias_t, dqa,
-        *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *sb,
+        out, dout, lse, delta, row_m, row_r, q, k, bias_t, dqa, cos, sin,
+        *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *sb, *scq, *sck,
         Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, ZERO_DQ=not deterministic, **common,
         BLOCK_M=pre_m, BLOCK_N=32, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv),
+        D0=one[0], D1=one[1], D2=one[2], **rc,
         num_warps=4, num_stages=1,
     )
     ds_t = dbias if need_dbias else q
@@ -1149,45 +1571,56 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
 
     if not deterministic:
         def launch(cfg):
-            d0, d1 = _d_parts(D, cfg.split_d)
+            d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)
             dv0, dv1 = _d_parts(Dv, cfg.split_d)
             bm, bn = cfg.block_m, cfg.block_n
-            _check_tile_offsets([("q", *q.stride()[2:], bm, d0 + d1),
-                                 ("k", *k.stride()[2:], bn, d0 + d1),
+            dcols = max(d0 + d1 + d2, D)
+            _check_tile_offsets([("q", *q.stride()[2:], bm, dcols),
+                                 ("k", *k.stride()[2:], bn, dcols),
                                  ("v", *v.stride()[2:], bn, dv0 + dv1),
                                  ("dout", *dout.stride()[2:], bm, dv0 + dv1),
-                                 ("bias", *sb[2:], bm, bn), ("dbias", Lk, 1, bm, bn)])
+                                 ("bias", *sb[2:], bm, bn), ("dbias", Lk, 1, bm, bn)]
+                                + _table_tiles(scq, sck, bm, bn, W))
             attention_bwd_kernel[(triton.cdiv(Lk, bn) * B * Hkv,)](
-                q, k, v, bias_t, dout, dqa, dk, dv, ds_t, delta, row_m, row_r,
+                q, k, v, bias_t, dout, dqa, dk, dv, ds_t, delta, row_m, row_r, cos, sin,
                 *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk.stride(),
-                *dv.stride(), *ds_strides,
+                *dv.stride(), *ds_strides, *scq, *sck,
                 Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale, scale, D, Dv,
                 NEED_DS=bool(need_dbias), **common,
-                BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1,
+                BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        _launch(launch, cfg, user_given)
-        n = dq.numel()
-        attention_dq_cast_kernel[(triton.cdiv(n, 1024),)](dqa, dq, n, scale, BLOCK=1024,
-                                                          num_warps=4)
+        _launch(launch, cfg, user_given, "rope" if rc["ROT"] else None)
+        if rc["ROT"]:
+            cast_m = 32
+            attention_dq_rope_cast_kernel[(triton.cdiv(Lq, cast_m) * B * Hq,)](
+                dqa, dq, cos, sin, *dq.stride(), *scq, Hq, Lq, scale, D,
+                D0=one[0], D2=one[2], BLOCK_M=cast_m, **rc, num_warps=4)
+        else:
+            n = dq.numel()
+            attention_dq_cast_kernel[(triton.cdiv(n, 1024),)](dqa, dq, n, scale, BLOCK=1024,
+                                                              num_warps=4)
         return dq, dk, dv, dbias
 
-    bm, bn, bd, bdv = cfg.block_m, cfg.block_n, _block_d(D), _block_d(Dv)
+    bm, bn, bdv = cfg.block_m, cfg.block_n, _block_d(Dv)
+    dcols = max(sum(one), D)
     # out/dout/dq are read with BLOCK_M rows, dk/dv with BLOCK_N rows (dbias is contiguous).
-    _check_tile_offsets([("q", *q.stride()[2:], bm, bd), ("k", *k.stride()[2:], bn, bd),
+    _check_tile_offsets([("q", *q.stride()[2:], bm, dcols), ("k", *k.stride()[2:], bn, dcols),
                          ("v", *v.stride()[2:], bn, bdv), ("out", *out.stride()[2:], bm, bdv),
-                         ("bias", *sb[2:], bm, bn), ("dbias", Lk, 1, bm, bn)])
-    consts = dict(common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, BLOCK_DV=bdv,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                         ("bias", *sb[2:], bm, bn), ("dbias", Lk, 1, bm, bn)]
+                        + _table_tiles(scq, sck, bm, bn, W))
+    consts = dict(common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DV=bdv, D0=one[0], D1=one[1], D2=one[2],
+                  **rc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     attention_bwd_dkdv_kernel[(triton.cdiv(Lk, bn) * B * Hkv,)](
-        q, k, v, bias_t, dout, dk, dv, delta, row_m, row_r,
+        q, k, v, bias_t, dout, dk, dv, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk.stride(), *dv.stride(),
-        Hq, Hkv, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, **consts,
+        *scq, *sck, Hq, Hkv, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, **consts,
     )
     attention_bwd_dq_kernel[(triton.cdiv(Lq, bm) * B * Hq,)](
-        q, k, v, bias_t, dout, dq, ds_t, delta, row_m, row_r,
+        q, k, v, bias_t, dout, dq, ds_t, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dq.stride(), *ds_strides,
-        Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, NEED_DS=bool(need_dbias), **consts,
+        *scq, *sck, Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, NEED_DS=bool(need_dbias),
+        **consts,
     )
     return dq, dk, dv, dbias

@@ -3,8 +3,9 @@
     torch.ops.fuse_plugin.attention / attention_backward   (ops/attention.py)
     torch.ops.fuse_plugin.rotary / rotary_backward          (ops/rotary.py)
     torch.ops.fuse_plugin.rotary_qk / rotary_qk_backward
+    torch.ops.fuse_plugin.rope_attention / rope_attention_backward   (ops/rope_attention.py)
 """
-from . import attention, rotary  # noqa: F401  (registration)
+from . import attention, rope_attention, rotary  # noqa: F401  (registration)
 from ._dispatch import cpu_kernels
 
-__all__ = ["attention", "rotary", "cpu_kernels"]
+__all__ = ["attention", "rotary", "rope_attention", "cpu_kernels"]

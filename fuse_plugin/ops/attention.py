@@ -59,6 +59,11 @@ def attention(
 ) -> tuple[Tensor, Tensor]:
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
     _no_dropout(dropout_p)
+    return forward_impl(q, k, v, attn_bias, is_causal, scale)
+
+
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], is_causal: bool, scale: float):
+    """The op's computation (also the second half of `rope_attention`'s unfused path)."""
     bias = _bias_4d(attn_bias, q, k)
     if _runs_kernel(q, v):
         return _kernels().attention_forward(q, k, v, bias, is_causal=is_causal, scale=scale)
@@ -90,6 +95,10 @@ def attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
     _no_dropout(dropout_p)
+    return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias)
+
+
+def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias):
     bias = _bias_4d(attn_bias, q, k)
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
@@ -97,11 +106,14 @@ def attention_backward(
         )
     else:
         dq, dk, dv, ds = reference.attention_backward(dout, q, k, v, bias, is_causal, scale, need_dbias)
+    return dq, dk, dv, reduce_dbias(ds, attn_bias, q, need_dbias)
+
+
+def reduce_dbias(ds: Optional[Tensor], attn_bias: Optional[Tensor], q: Tensor, need_dbias: bool) -> Tensor:
+    """dS (B, Hq, Lq, Lk) summed to the bias's shape and cast to its dtype; empty unless need_dbias."""
     if need_dbias:
-        dbias = ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype).contiguous()
-    else:
-        dbias = q.new_empty((0,))
-    return dq, dk, dv, dbias
+        return ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype).contiguous()
+    return q.new_empty((0,))
 
 
 @attention_backward.register_fake

@@ -21,7 +21,7 @@ def source_of(node: fx.Node) -> str:
 class Site:
     """A subgraph replaced by one of our ops."""
 
-    kind: str  # "attention" | "rotary"
+    kind: str  # "attention" | "rotary" | "rope_attention" (a rotary q+k pair folded into an attention)
     source: str
     detail: str = ""
 
@@ -58,10 +58,12 @@ class Report:
     def __str__(self) -> str:
         rows = [("fused", s.kind, s.source, s.detail) for s in self.sites]
         rows += [("not fused", m.kind, m.source, m.reason) for m in self.misses]
+        folded = self.count("rope_attention")
         head = (
-            f"fuse_plugin: {len(self.sites)} site(s) fused "
-            f"({self.count('attention')} attention, {self.count('rotary')} rotary), "
-            f"{len(self.misses)} near miss(es), in {self.graphs} graph(s)"
+            f"fuse_plugin: {len(self.sites) - folded} site(s) fused "
+            f"({self.count('attention')} attention, {self.count('rotary')} rotary"
+            + (f"; {folded} rotary q+k pair(s) folded into their attention" if folded else "")
+            + f"), {len(self.misses)} near miss(es), in {self.graphs} graph(s)"
         )
         if not rows:
             return head

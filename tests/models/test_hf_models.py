@@ -5,8 +5,10 @@ dropout off (the kernels have none yet, and a random mask could not be compared 
 family, compiled against eager:
 
 * counts: `counters["fuse_plugin"]` per compiled graph: every attention layer (T5: the encoder's
-  self attention, the decoder's self and cross attention) and every rotated tensor (a q+k pair
-  counts 2, see fuse_plugin/patterns/rotary.py);
+  self attention, the decoder's self and cross attention), every rotated tensor (a q+k pair
+  counts 2, see fuse_plugin/patterns/rotary.py) and every rotary q+k pair folded into its attention
+  (`rope_attention`: all of them without a KV cache, none in the decode step, whose rotated k also
+  goes to the cache);
 * values: logits equal eager everywhere (fp32 rel ≤ 1e-5), the padded positions included (eager
   gives them finite values: a row masked everywhere with finfo.min has uniform weights, and the op
   reproduces that), and in training the gradients of every parameter (≤ 1e-4);
@@ -55,6 +57,7 @@ class Family:
     make: Callable[[], "torch.nn.Module"]
     attention: int  # attention sites per compiled graph
     rotary: int  # rotated tensors per compiled graph (q and k of each layer: 2 per layer)
+    rope_attention: int  # rotary q+k pairs folded into their attention (fuse_plugin.rope_attention)
     kind: str = "decoder"  # "decoder" (left padding) | "encoder" (right padding) | "encoder-decoder"
 
 
@@ -131,19 +134,25 @@ def _t5():  # relative position bias (a learned additive bias: its gradient goes
 
 
 FAMILIES = [
-    Family("llama", _llama, attention=2, rotary=4),
-    Family("mistral", _mistral, attention=2, rotary=4),
-    Family("qwen2", _qwen2, attention=2, rotary=4),
-    Family("gemma", _gemma, attention=2, rotary=4),
-    Family("phi3", _phi3, attention=2, rotary=4),
-    Family("gpt_neox", _gpt_neox, attention=2, rotary=4),
-    Family("gpt_j", _gpt_j, attention=2, rotary=4),
-    Family("gpt2", _gpt2, attention=2, rotary=0),
-    Family("gpt2_reordered", _gpt2_reordered, attention=2, rotary=0),
-    Family("bert", _bert, attention=2, rotary=0, kind="encoder"),
+    Family("llama", _llama, attention=2, rotary=4, rope_attention=2),
+    Family("mistral", _mistral, attention=2, rotary=4, rope_attention=2),
+    Family("qwen2", _qwen2, attention=2, rotary=4, rope_attention=2),
+    Family("gemma", _gemma, attention=2, rotary=4, rope_attention=2),
+    Family("phi3", _phi3, attention=2, rotary=4, rope_attention=2),
+    Family("gpt_neox", _gpt_neox, attention=2, rotary=4, rope_attention=2),  # partial: rotary_dim 8 of 16
+    # rotated in (B, L, H, D) and permuted afterwards: folded with permuted q/k and tables
+    Family("gpt_j", _gpt_j, attention=2, rotary=4, rope_attention=2),
+    Family("gpt2", _gpt2, attention=2, rotary=0, rope_attention=0),
+    Family("gpt2_reordered", _gpt2_reordered, attention=2, rotary=0, rope_attention=0),
+    Family("bert", _bert, attention=2, rotary=0, rope_attention=0, kind="encoder"),
     # 2 encoder self attentions + 2 decoder self attentions + 2 cross attentions
-    Family("t5", _t5, attention=6, rotary=0, kind="encoder-decoder"),
+    Family("t5", _t5, attention=6, rotary=0, rope_attention=0, kind="encoder-decoder"),
 ]
+KINDS = ("attention", "rotary", "rope_attention")
+
+
+def _expected(family: Family, **override) -> dict:
+    return {**{k: getattr(family, k) for k in KINDS}, **override}
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
@@ -180,9 +189,9 @@ class PerGraphCounts:
         self.graphs: list[dict] = []
 
     def __call__(self, gm, example_inputs):
-        before = {k: counters["fuse_plugin"][k] for k in ("attention", "rotary")}
+        before = {k: counters["fuse_plugin"][k] for k in KINDS}
         compiled = self.backend(gm, example_inputs)
-        self.graphs.append({k: counters["fuse_plugin"][k] - before[k] for k in ("attention", "rotary")})
+        self.graphs.append({k: counters["fuse_plugin"][k] - before[k] for k in KINDS})
         return compiled
 
 
@@ -200,10 +209,10 @@ def check_family(family: Family, padding: bool, backend=rewrite_aot_eager, train
     with torch.set_grad_enabled(training):
         ref = eager(**kwargs).logits
         out = compiled(**kwargs).logits
-    expected = {"attention": family.attention, "rotary": family.rotary}
+    expected = _expected(family)
     assert counting.graphs == [expected], f"fused per graph: {counting.graphs}, expected {expected}"
-    assert counters["fuse_plugin"]["attention"] == family.attention
-    assert counters["fuse_plugin"]["rotary"] == family.rotary
+    for k in KINDS:
+        assert counters["fuse_plugin"][k] == expected[k], k
     assert out.shape == ref.shape and torch.isfinite(ref).all()
     err = rel_err(out, ref)
     assert err <= LOGITS_TOL, f"logits rel err {err:.2e}"
@@ -270,12 +279,13 @@ def test_dynamic_sequence_length_no_recompile():
             out = compiled(**kwargs).logits
             assert rel_err(out, ref) <= LOGITS_TOL
     assert cnt.frame_count == 1, f"recompiled: {cnt.frame_count} graphs"
-    assert counters["fuse_plugin"]["attention"] == family.attention
-    assert counters["fuse_plugin"]["rotary"] == family.rotary
+    for k in KINDS:
+        assert counters["fuse_plugin"][k] == getattr(family, k), k
 
 
 def test_decode_step_with_kv_cache():
-    """A decode step (one new token against the prefill's KV cache, padded batch): fused, equal to eager."""
+    """A decode step (one new token against the prefill's KV cache, padded batch): fused, equal to eager.
+    The rotated k also goes into the cache, so the rotary stays a rotary_qk next to the attention."""
     family = BY_NAME["llama"]
     model = family.make().eval()
     kwargs = _inputs(family, padding=True)
@@ -289,5 +299,5 @@ def test_decode_step_with_kv_cache():
         counters.clear()
         counting = PerGraphCounts(rewrite_aot_eager)
         out = torch.compile(model, backend=counting)(**step, past_key_values=copy.deepcopy(prefill.past_key_values)).logits
-    assert counting.graphs == [{"attention": family.attention, "rotary": family.rotary}]
+    assert counting.graphs == [_expected(family, rope_attention=0)]
     assert rel_err(out, ref) <= LOGITS_TOL
