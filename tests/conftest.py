@@ -11,3 +11,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The suite exercises the rope-into-attention fold (opt-in for users while it is slower than the
+# unfused pair); tests of the default set FUSE_PLUGIN_ROPE_ATTENTION=0 themselves.
+os.environ.setdefault("FUSE_PLUGIN_ROPE_ATTENTION", "1")

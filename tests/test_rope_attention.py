@@ -718,3 +718,13 @@ def test_compiled_decoder_with_the_kernels():
     for (name, p), q in zip(eager.named_parameters(), model.parameters()):
         assert rel_err(q.grad, p.grad) <= 1e-4, name
     torch._dynamo.reset()
+
+
+def test_fold_is_opt_in(monkeypatch):
+    """Off by default (slower than the unfused pair on an H100 so far, see RESULTS.md)."""
+    from fuse_plugin import settings
+
+    monkeypatch.delenv("FUSE_PLUGIN_ROPE_ATTENTION", raising=False)
+    assert not settings.rope_attention_enabled()
+    monkeypatch.setenv("FUSE_PLUGIN_ROPE_ATTENTION", "1")
+    assert settings.rope_attention_enabled()
