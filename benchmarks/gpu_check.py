@@ -239,6 +239,26 @@ def run_opchecks():
     return results
 
 
+def parity_section(title, case_header, width, cases, check, columns):
+    """One table of parity rows: every case in every dtype, errors per column, ok/FAIL per row."""
+    lines = ["", title, f"  {'dtype':9} {case_header:{width}} " + " ".join(f"{c:>8}" for c in columns) + "  result"]
+    ok = True
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for case in cases:
+            label = f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):{width}}"
+            try:
+                errs, nan = check(dtype, case)
+            except Exception as e:
+                lines.append(f"{label} ERROR {type(e).__name__}: {str(e)[:100]}")
+                ok = False
+                continue
+            good = not nan and all(e <= TOL[dtype] for e in errs.values())
+            ok &= good
+            cols = " ".join(f"{errs[n]:8.1e}" if n in errs else f"{'-':>8}" for n in columns)
+            lines.append(f"{label} {cols}  {'ok' if good else 'FAIL' + (' (NaN)' if nan else '')}")
+    return lines, ok
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -257,42 +277,19 @@ def main():
     for name, res in run_opchecks():
         lines.append(f"  {name:28} {res}")
         ok &= res == "pass"
-    lines += ["", "attention parity vs float64 (rel err; fp32 with TF32 off):",
-              f"  {'dtype':9} {'B Hq Hkv Lq Lk D Dv causal bias':42} {'out':>8} {'dq':>8} {'dk':>8} {'dv':>8} {'dbias':>8}  result"]
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for case in ATTENTION_CASES:
-            try:
-                errs, nan = check_attention(dtype, case)
-            except Exception as e:
-                lines.append(f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):42} ERROR {type(e).__name__}: {str(e)[:100]}")
-                ok = False
-                continue
-            good = not nan and all(e <= TOL[dtype] for e in errs.values())
-            ok &= good
-            cols = " ".join(f"{errs.get(n, float('nan')):8.1e}" if n in errs else f"{'-':>8}" for n in ("out", "dq", "dk", "dv", "dbias"))
-            lines.append(f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):42} {cols}  {'ok' if good else 'FAIL' + (' (NaN)' if nan else '')}")
-    lines += ["", "rotary (q+k launch) parity vs float64:",
-              f"  {'dtype':9} {'B H L D rd interleaved width':36} {'out':>8} {'dq':>8} {'dk':>8}  result"]
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for case in ROTARY_CASES:
-            errs, nan = check_rotary(dtype, case)
-            good = not nan and all(e <= TOL[dtype] for e in errs.values())
-            ok &= good
-            lines.append(f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):36} {errs['out']:8.1e} {errs['dq']:8.1e} {errs['dk']:8.1e}  {'ok' if good else 'FAIL'}")
-    lines += ["", "rope_attention (rotation in the attention kernels) parity vs float64:",
-              f"  {'dtype':9} {'B Hq Hkv L D rd interleaved width causal bias deterministic':62} {'out':>8} {'dq':>8} {'dk':>8} {'dv':>8}  result"]
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for case in ROPE_ATTENTION_CASES:
-            try:
-                errs, nan = check_rope_attention(dtype, case)
-            except Exception as e:
-                lines.append(f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):62} ERROR {type(e).__name__}: {str(e)[:100]}")
-                ok = False
-                continue
-            good = not nan and all(e <= TOL[dtype] for e in errs.values())
-            ok &= good
-            cols = " ".join(f"{errs[n]:8.1e}" for n in ("out", "dq", "dk", "dv"))
-            lines.append(f"  {str(dtype)[6:]:9} {' '.join(map(str, case)):62} {cols}  {'ok' if good else 'FAIL' + (' (NaN)' if nan else '')}")
+    sections = [
+        ("attention parity vs float64 (rel err; fp32 with TF32 off):", "B Hq Hkv Lq Lk D Dv causal bias",
+         42, ATTENTION_CASES, check_attention, ("out", "dq", "dk", "dv", "dbias")),
+        ("rotary (q+k launch) parity vs float64:", "B H L D rd interleaved width",
+         36, ROTARY_CASES, check_rotary, ("out", "dq", "dk")),
+        ("rope_attention (rotation in the attention kernels) parity vs float64:",
+         "B Hq Hkv L D rd interleaved width causal bias deterministic", 62, ROPE_ATTENTION_CASES,
+         check_rope_attention, ("out", "dq", "dk", "dv")),
+    ]
+    for title, case_header, width, cases, check, columns in sections:
+        section_lines, section_ok = parity_section(title, case_header, width, cases, check, columns)
+        lines += section_lines
+        ok &= section_ok
     lines += ["", f"gpu_check: {'PASS' if ok else 'FAIL'}"]
     emit(lines, args.out)
     return 0 if ok else 1

@@ -34,12 +34,12 @@ def _runs_kernel(q: Tensor, v: Tensor) -> bool:
     return _dispatch.runs_triton(q) and 16 <= q.shape[-1] <= 256 and 16 <= v.shape[-1] <= 256
 
 
-def _no_dropout(dropout_p: float) -> None:
+def no_dropout(dropout_p: float) -> None:
     if dropout_p != 0.0:
         raise NotImplementedError("fuse_plugin::attention: dropout_p > 0 is not implemented yet")
 
 
-def _bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
+def bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
     """The bias as a (B, Hq, Lq, Lk) view: broadcast dims get stride 0, nothing is copied."""
     if attn_bias is None:
         return None
@@ -58,13 +58,13 @@ def attention(
     dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
-    _no_dropout(dropout_p)
+    no_dropout(dropout_p)
     return forward_impl(q, k, v, attn_bias, is_causal, scale)
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], is_causal: bool, scale: float):
     """The op's computation (also the second half of `rope_attention`'s unfused path)."""
-    bias = _bias_4d(attn_bias, q, k)
+    bias = bias_4d(attn_bias, q, k)
     if _runs_kernel(q, v):
         return _kernels().attention_forward(q, k, v, bias, is_causal=is_causal, scale=scale)
     return reference.attention_forward(q, k, v, bias, is_causal, scale)
@@ -94,12 +94,12 @@ def attention_backward(
     need_dbias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
-    _no_dropout(dropout_p)
+    no_dropout(dropout_p)
     return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias)
 
 
 def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias):
-    bias = _bias_4d(attn_bias, q, k)
+    bias = bias_4d(attn_bias, q, k)
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias

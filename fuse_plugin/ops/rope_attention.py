@@ -93,10 +93,10 @@ def rope_attention(
     scale: float,
     dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    attention._no_dropout(dropout_p)
+    attention.no_dropout(dropout_p)
     _check(q, k, v, cos, sin, rotary_dim)
     if fused(q, v, cos, sin):
-        bias = attention._bias_4d(attn_bias, q, k)
+        bias = attention.bias_4d(attn_bias, q, k)
         return _kernels().attention_forward(
             q, k, v, bias, is_causal=is_causal, scale=scale, rope=_rope(cos, sin, interleaved, rotary_dim)
         )
@@ -133,10 +133,10 @@ def rope_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk (w.r.t. the un-rotated q, k), dv, dbias (empty unless need_dbias), dcos, dsin (empty
     unless need_dtables)."""
-    attention._no_dropout(dropout_p)
+    attention.no_dropout(dropout_p)
     empty = q.new_empty((0,))
     if fused(q, v, cos, sin) and not need_dtables:
-        bias = attention._bias_4d(attn_bias, q, k)
+        bias = attention.bias_4d(attn_bias, q, k)
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
             rope=_rope(cos, sin, interleaved, rotary_dim),
