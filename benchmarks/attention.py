@@ -4,7 +4,7 @@
 
 TFLOP/s from the median of `triton.testing.do_bench`: fwd = 4·B·H·N²·D (×0.5 causal), bwd = 2.5×fwd.
 Main grid: bf16 and fp16, D 64 and 128, causal and not, N 1k/4k/16k with B·N = 16k and H·D = 2048.
-Extra rows: D 80/96/256, GQA (Hq/Hkv = 4, 8) against SDPA `enable_gqa=True`, an additive (B,1,N,N)
+Extra rows: D 80/96/256, GQA (Hq/Hkv = 4, 8) against SDPA `enable_gqa=True`, dropout p = 0.1 (`--dropout-only`), an additive (B,1,N,N)
 bias against cuDNN/efficient (flash takes no mask). Also peak memory of ours at N = 4k and 16k and
 the first-call time (kernel compile, no tuning). Prints a markdown table (and writes it to --out).
 
@@ -49,14 +49,20 @@ def make_inputs(b, hq, hkv, n, d, dtype, bias):
     return q, k, v, mask
 
 
-def ours(q, k, v, mask, causal):
-    return OPS.attention(q, k, v, mask, 0.0, causal, q.shape[-1] ** -0.5)[0]
+def ours(q, k, v, mask, causal, dropout_p=0.0):
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=q.device) if dropout_p else None
+    return OPS.attention(q, k, v, mask, dropout_p, causal, q.shape[-1] ** -0.5, seed)[0]
 
 
-def sdpa(backend):
+def ours_dropout(p):
+    return lambda q, k, v, mask, causal: ours(q, k, v, mask, causal, p)
+
+
+def sdpa(backend, dropout_p=0.0):
     def run(q, k, v, mask, causal):
         with sdpa_kernel(BACKENDS[backend]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
 
     return run
 
@@ -92,6 +98,17 @@ def row(label, b, hq, hkv, n, d, dtype, causal, bias, impls):
     del q, k, v, mask
     torch.cuda.empty_cache()
     return f"| {label} | " + " | ".join(cells) + " |"
+
+
+def dropout_rows(p=0.1):
+    """Training with attention dropout: ours (Philox in the kernels) vs SDPA's backends with dropout_p."""
+    impls = {"ours": ours_dropout(p), **{name: sdpa(name, p) for name in BACKENDS}}
+    out = []
+    for d, causal in ((64, True), (128, True), (128, False)):
+        out.append(row(f"bf16 D{d} {'causal' if causal else 'full'} N4k dropout p={p} (B4 H{2048 // d})",
+                       4, 2048 // d, 2048 // d, 4096, d, torch.bfloat16, causal, False, impls))
+        print(out[-1], flush=True)
+    return out
 
 
 def rotate_half(x):
@@ -185,6 +202,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="N = 4k only, fewer extra rows")
     parser.add_argument("--out", default=None)
     parser.add_argument("--rope-only", action="store_true", help="only the rope + attention table")
+    parser.add_argument("--dropout-only", action="store_true", help="only the dropout rows")
     args = parser.parse_args()
     if args.rope_only:
         emit([f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
@@ -207,6 +225,9 @@ def main():
         header,
         "|" + "---|" * (len(impls) + 1),
     ]
+    if args.dropout_only:
+        emit(lines + dropout_rows(), args.out)
+        return
     ns = [4096] if args.quick else [1024, 4096, 16384]
     for dtype in (torch.bfloat16, torch.float16):
         for d in (64, 128):
@@ -227,6 +248,7 @@ def main():
         print(lines[-1], flush=True)
     lines.append(row("bf16 D128 bias (B,1,N,N) N4k (B4 H16)", 4, 16, 16, extra_n, 128, torch.bfloat16, False, True, impls))
     print(lines[-1], flush=True)
+    lines += dropout_rows()
     m4, m16 = peak_memory_gb(4096), peak_memory_gb(16384)
     lines += [
         "",

@@ -18,6 +18,7 @@ import torch
 from common import emit
 
 import fuse_plugin  # noqa: F401
+from fuse_plugin.ops import reference
 
 OPS = torch.ops.fuse_plugin
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
@@ -101,6 +102,78 @@ def check_attention(dtype, case):
         errs[name] = rel(g, rg)
     nan = any(torch.isnan(t).any().item() for t in (out, *grads))
     return errs, nan
+
+
+DROPOUT_CASES = [
+    # B, Hq, Hkv, Lq, Lk, D, causal, bias, p, deterministic
+    (2, 8, 2, 1000, 1000, 128, True, None, 0.1, False),
+    (1, 4, 4, 257, 300, 64, False, "float", 0.3, True),
+    (2, 4, 2, 17, 33, 96, True, None, 0.5, False),
+    (1, 4, 4, 129, 129, 256, True, "float", 0.2, False),
+]
+
+
+def check_dropout(dtype, case):
+    """Dropout in the kernels vs the float64 reference drawing the same mask from the same seed."""
+    b, hq, hkv, lq, lk, d, causal, bias_kind, p, deterministic = case
+    dev = "cuda"
+    q = torch.randn(b, hq, lq, d, device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, lk, hkv, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, lk, hkv, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+    bias = torch.randn(b, 1, lq, lk, device=dev, dtype=dtype, requires_grad=True) if bias_kind else None
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64, device=dev)
+    scale = d**-0.5
+    leaves = [q, k, v] + ([bias] if bias is not None else [])
+    poison_allocator()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out, _ = OPS.attention(q, k, v, bias, p, causal, scale, seed)
+        dout = torch.randn_like(out)
+        poison_allocator()
+        grads = torch.autograd.grad(out, leaves, dout)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    r = [t.detach().double() for t in (q, k, v)]
+    rb = bias.detach().double().expand(b, hq, lq, lk) if bias is not None else None
+    ref, _ = reference.attention_forward(*r, rb, causal, scale, p, seed)
+    rdq, rdk, rdv, rds = reference.attention_backward(dout.double(), *r, rb, causal, scale, bias is not None, p, seed)
+    errs = {"out": rel(out, ref), "dq": rel(grads[0], rdq), "dk": rel(grads[1], rdk), "dv": rel(grads[2], rdv)}
+    if bias is not None:
+        errs["dbias"] = rel(grads[3], rds.sum(1, keepdim=True))
+    nan = any(torch.isnan(t).any().item() for t in (out, *grads))
+    return errs, nan
+
+
+def dropout_statistics():
+    """Keep rate of the kernels' own mask (read back through the op: q = k = 0, v = identity) and
+    unbiasedness (128 heads with the same q, k, v are 128 dropout samples of one attention)."""
+    dev, p = "cuda", 0.2
+    b, h, lq, lk = 4, 16, 1024, 256
+    q, k = torch.zeros(b, h, lq, 16, device=dev), torch.zeros(b, h, lk, 16, device=dev)
+    v = torch.eye(lk, device=dev).expand(b, h, lk, lk)
+    out, _ = OPS.attention(q, k, v, None, p, False, 1.0, torch.tensor(12345, device=dev))
+    keep = (out.double() * lk * (1 - p)).round()
+    n = keep.numel()
+    rate = keep.mean().item()
+    sigma = (p * (1 - p) / n) ** 0.5
+    ok_rate = abs(rate - (1 - p)) < 5 * sigma and bool(((keep == 0) | (keep == 1)).all())
+    heads, L, d = 128, 256, 64
+    x = [torch.randn(1, 1, L, d, device=dev, dtype=torch.bfloat16).expand(1, heads, L, d).contiguous() for _ in range(3)]
+    want, _ = OPS.attention(*(t[:, :1] for t in x), None, 0.0, True, d**-0.5)
+    got, _ = OPS.attention(*x, None, p, True, d**-0.5, torch.tensor(777, device=dev))
+    samples = got[0].double()
+    z = (samples.mean(0) - want[0, 0].double()) / (samples.std(0) / heads**0.5).clamp_min(1e-12)
+    zmax = z[1:].abs().max().item()  # row 0 sees one key: its weight is 1 or 0, fine but degenerate
+    ok_bias = zmax < 6
+    lines = [
+        "",
+        "dropout statistics (the kernels' own draws):",
+        f"  keep rate at p={p} over {n} weights: {rate:.6f} (expected {1 - p:.6f}, 5 sigma = {5 * sigma:.1e})  "
+        f"{'ok' if ok_rate else 'FAIL'}",
+        f"  unbiased output: max |z| of the mean of {heads} dropout samples vs no dropout = {zmax:.2f} (< 6)  "
+        f"{'ok' if ok_bias else 'FAIL'}",
+    ]
+    return lines, ok_rate and ok_bias
 
 
 def ref_rope(x, cos, sin, interleaved, rd):
@@ -208,8 +281,13 @@ def run_opchecks():
     kx = torch.randn(2, 33, 2, 64, device=dev, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     cos, sin = torch.randn(1, 1, 33, 64, device=dev), torch.randn(1, 1, 33, 64, device=dev)
     out, lse = OPS.attention(q, k, v, bias, 0.0, True, 0.125)
+    seed = torch.tensor(2024, dtype=torch.int64, device=dev)
+    dout, dlse = OPS.attention(q, k, v, bias, 0.3, True, 0.125, seed)
     samples = [
         ("attention", OPS.attention.default, (q, k, v, bias, 0.0, True, 0.125)),
+        ("attention (dropout)", OPS.attention.default, (q, k, v, bias, 0.3, True, 0.125, seed)),
+        ("attention_backward (dropout)", OPS.attention_backward.default,
+         (torch.randn_like(dout), q.detach(), k.detach(), v.detach(), bias.detach(), dout.detach(), dlse, 0.3, True, 0.125, seed, True)),
         ("attention (fp32, no bias)", OPS.attention.default, (q.float().detach().requires_grad_(), k.float(), v.float(), None, 0.0, False, 0.125)),
         ("attention_backward", OPS.attention_backward.default, (torch.randn_like(out), q.detach(), k.detach(), v.detach(), bias.detach(), out.detach(), lse, 0.0, True, 0.125, None, True)),
         ("rotary", OPS.rotary.default, (x, cos, sin, False, 64)),
@@ -285,11 +363,17 @@ def main():
         ("rope_attention (rotation in the attention kernels) parity vs float64:",
          "B Hq Hkv L D rd interleaved width causal bias deterministic", 62, ROPE_ATTENTION_CASES,
          check_rope_attention, ("out", "dq", "dk", "dv")),
+        ("attention with dropout vs float64 reference drawing the same mask (same seed):",
+         "B Hq Hkv Lq Lk D causal bias p deterministic", 44, DROPOUT_CASES, check_dropout,
+         ("out", "dq", "dk", "dv", "dbias")),
     ]
     for title, case_header, width, cases, check, columns in sections:
         section_lines, section_ok = parity_section(title, case_header, width, cases, check, columns)
         lines += section_lines
         ok &= section_ok
+    stat_lines, stat_ok = dropout_statistics()
+    lines += stat_lines
+    ok &= stat_ok
     lines += ["", f"gpu_check: {'PASS' if ok else 'FAIL'}"]
     emit(lines, args.out)
     return 0 if ok else 1

@@ -67,6 +67,14 @@ def main():
         torch.cuda.synchronize()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+        # and the whole training call: op forward, autograd, op backward
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            torch.autograd.grad(OPS.attention(q, k, v, None, 0.0, True, 0.125)[0], (q, k, v), dout)
+        torch.cuda.synchronize()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":

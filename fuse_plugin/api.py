@@ -49,7 +49,9 @@ def attention(
     q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq a multiple of Hkv (GQA without
     repeating k/v); D, Dv ≤ 256. attn_mask: bool (True = attend) or additive float, broadcastable to
     (B, Hq, Lq, Lk); it may be combined with is_causal (top-left aligned, as SDPA). scale defaults
-    to 1/sqrt(D). Returns (B, Hq, Lq, Dv) in q's dtype."""
+    to 1/sqrt(D). dropout_p > 0 drops attention weights inside the kernel (a mask drawn from torch's
+    RNG, so `torch.manual_seed` repeats it; applied in training and eval alike, as SDPA does).
+    Returns (B, Hq, Lq, Dv) in q's dtype."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 4, "(B, H, L, D)")
     _check_same(("q", "k", "v"), (q, k, v), "dtype")
@@ -81,7 +83,11 @@ def attention(
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    out, _ = torch.ops.fuse_plugin.attention(q, k, v, attn_mask, float(dropout_p), bool(is_causal), float(scale))
+    # Like SDPA, dropout_p > 0 drops whether or not the module is training; a fresh seed per call.
+    seed = _attention_op.new_dropout_seed(q.device) if dropout_p > 0 else None
+    out, _ = torch.ops.fuse_plugin.attention(
+        q, k, v, attn_mask, float(dropout_p), bool(is_causal), float(scale), dropout_seed=seed
+    )
     return out
 
 

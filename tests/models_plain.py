@@ -67,7 +67,7 @@ class AttnSpec:
 
     def fused(self) -> bool:
         """Must the recogniser replace this attention?"""
-        return self.negative == "none" and self.dropout != "train"
+        return self.negative == "none"
 
     def causal(self) -> bool:
         """Must the recogniser emit is_causal? (A 1×1 causal mask masks nothing.)"""

@@ -108,7 +108,7 @@ def check_close(name, actual, expected, tol, nan_rows=None):
 
 def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False,
              dout_kind="dense", need_dbias=False, config=None, scale=None, edit_bias=None,
-             deterministic=False):
+             deterministic=False, group_split=None):
     torch.manual_seed(1234)
     scale = D ** -0.5 if scale is None else scale
     q, k, v = make_qkv(B, Hq, Hkv, Lq, Lk, D, Dv, dtype, transposed)
@@ -149,7 +149,7 @@ def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False
 
     dq, dk, dv, dbias = attn.attention_backward(
         dout, q, k, v, bias_t, out, lse, is_causal=causal, scale=scale, need_dbias=need_dbias,
-        config=cfg_b, deterministic=deterministic)
+        config=cfg_b, deterministic=deterministic, group_split=group_split)
     for name, got, want, ref in (("dq", dq, q, leaves[0]), ("dk", dk, k, leaves[1]),
                                  ("dv", dv, v, leaves[2])):
         assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous(), name
@@ -212,6 +212,14 @@ CASES = {
 def test_attention_matches_reference(case, deterministic):
     """Both backward paths: the default one-kernel atomic-dQ path and the deterministic pair."""
     run_case(**case, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("split", [2, 4])
+def test_gqa_group_split_over_programs(split):
+    """The atomic backward with each GQA group shared out over `split` programs (fp32 dK/dV
+    partials summed afterwards), causal, with a bias gradient and partial blocks."""
+    run_case(dtype=torch.float32, B=1, Hq=8, Hkv=2, Lq=40, Lk=33, D=32, Dv=16, causal=True,
+             bias="float_b1", need_dbias=True, config=(16, 16, 4, 1), group_split=split)
 
 
 @pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 64), (torch.float16, 128),

@@ -1303,7 +1303,8 @@ not fused: attention weights are used elsewhere (e.g. returned with output_atten
 --- after: unchanged ---
 not fused: mask broadcasts the scores from (2, 4, 8, 8) to (3, 2, 4, 8, 8)""")
 
-    def test_negative_dropout_in_training(self):
+    def test_dropout_in_training(self):
+        """p > 0 in training: the op drops inside the kernel, with a seed drawn from torch's RNG."""
         def f(q, k, v):
             w = F.dropout(F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1), p=0.1, training=True)
             return w @ v
@@ -1319,8 +1320,36 @@ not fused: mask broadcasts the scores from (2, 4, 8, 8) to (3, 2, 4, 8, 8)""")
 7 dropout(#6, 0.1, True, False)
 8 matmul(#7, #2)
 9 output (#8)
+--- after ---
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 randint(0, 4611686018427387904, (), dtype=int64, device=device(type='cpu'))
+4 fuse_plugin.attention(#1, #0, #2, None, 0.1, False, 0.25, #3)
+5 getitem(#4, 0)
+6 output (#5)
+--- report ---
+fused: scale=0.25, dropout p=0.1 in the kernel""")
+
+    def test_negative_dropout_p1(self):
+        """p = 1 drops everything: not what the op takes (0 <= p < 1), left to eager."""
+        def f(q, k, v):
+            w = F.dropout(F.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1), p=1.0, training=True)
+            return w @ v
+
+        self.assertExpectedInline(rewrite_listing(f, *qkv()), """\
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 transpose(#0, -2, -1)
+4 matmul(#1, #3)
+5 mul(#4, 0.25)
+6 softmax(#5, -1, 3, None)
+7 dropout(#6, 1, True, False)
+8 matmul(#7, #2)
+9 output (#8)
 --- after: unchanged ---
-not fused: dropout p>0 in training: kernel has no dropout yet""")
+not fused: dropout p=1.0 (the op takes 0 <= p < 1)""")
 
     def test_negative_in_place_fill_and_non_mask_fill(self):
         def in_place(q, k, v, m):  # the graph reads the scores before masked_fill_ writes them

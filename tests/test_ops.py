@@ -108,12 +108,6 @@ def test_attention_lse_is_logsumexp_and_not_differentiable():
     assert not lse.requires_grad
 
 
-def test_attention_dropout_not_implemented_yet():
-    q, k, v = make_qkv()
-    with pytest.raises(NotImplementedError, match="dropout"):
-        fuse_plugin.attention(q, k, v, dropout_p=0.1)
-
-
 def test_attention_half_precision_dtypes():
     for dtype in (torch.float16, torch.bfloat16):
         q, k, v = make_qkv(dtype=dtype)
@@ -185,6 +179,10 @@ def _attention_samples():
     yield (q, k, v, keep, 0.0, False, 0.5)
     q1, k1, v1 = make_qkv(hq=3, hkv=3, lq=1, lk=17, dv=8, grad=True)
     yield (q1, k1, v1, None, 0.0, True, 1.0)
+    yield (q, k, v, bias, 0.3, True, 0.25, torch.tensor(987654321, dtype=torch.int64))  # dropout
+
+
+N_ATTENTION_SAMPLES = 5
 
 
 def _rotary_samples():
@@ -198,17 +196,18 @@ def _opcheck(op, args):
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-@pytest.mark.parametrize("i", range(4))
+@pytest.mark.parametrize("i", range(N_ATTENTION_SAMPLES))
 def test_opcheck_attention(i):
     _opcheck(OPS.attention.default, list(_attention_samples())[i])
 
 
-@pytest.mark.parametrize("i", range(4))
+@pytest.mark.parametrize("i", range(N_ATTENTION_SAMPLES))
 def test_opcheck_attention_backward(i):
-    q, k, v, bias, p, causal, scale = list(_attention_samples())[i]
-    out, lse = OPS.attention(q, k, v, bias, p, causal, scale)
+    q, k, v, bias, p, causal, scale, *seed = list(_attention_samples())[i]
+    seed = seed[0] if seed else None
+    out, lse = OPS.attention(q, k, v, bias, p, causal, scale, seed)
     need_dbias = bias is not None and bias.dtype != torch.bool
-    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), bias if bias is None else bias.detach(), out.detach(), lse, p, causal, scale, None, need_dbias)
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), bias if bias is None else bias.detach(), out.detach(), lse, p, causal, scale, seed, need_dbias)
     _opcheck(OPS.attention_backward.default, args)
 
 
@@ -229,6 +228,7 @@ def test_opcheck_with_interpreted_triton_kernels():
     """The same ops with the Triton kernels (interpreter) behind them: fake strides = real strides."""
     with cpu_kernels("triton"):
         _opcheck(OPS.attention.default, list(_attention_samples())[1])
+        _opcheck(OPS.attention.default, list(_attention_samples())[4])  # dropout
         x, cos, sin, inter, rd = next(_rotary_samples())
         _opcheck(OPS.rotary.default, (x, cos, sin, inter, rd))
 

@@ -270,7 +270,7 @@ def test_errors():
         OPS.rope_attention(c["q"], c["k"], c["v"], c["cos"], c["sin"], False, 7, None, 0.0, False, 1.0)
     with pytest.raises(ValueError, match="last dims"):
         OPS.rope_attention(c["q"], c["k"], c["v"], c["cos"], c["sin"], False, 4, None, 0.0, False, 1.0)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError, match="dropout_seed"):  # dropout needs a seed
         OPS.rope_attention(c["q"], c["k"], c["v"], c["cos"], c["sin"], False, 16, None, 0.1, False, 1.0)
 
 

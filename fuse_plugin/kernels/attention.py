@@ -14,6 +14,11 @@ Shapes and layouts
   (natural-log logsumexp of the scaled, biased, masked scores of each row).
 * Backward: ``dq``/``dk``/``dv`` contiguous, shaped/typed as q/k/v; optional ``dbias`` is the
   fp32 (B, Hq, Lq, Lk) gradient dS of the scores (the caller reduces it to the bias's shape).
+* Dropout (``dropout_p > 0``, ``dropout_seed`` one int64 on the device): each weight P[b,h,i,j]
+  is kept iff a Philox-4x32-10 draw keyed by the seed with counter (j, i, b*Hq + h, 0) passes
+  ``_dropout_keep``; kept weights are scaled by 1/(1-p). The row sum and ``lse`` are of the
+  undropped softmax. Forward and backward draw the same mask; ``reference.dropout_keep``
+  reproduces it bit for bit. Nothing of size Lq * Lk is stored.
 
 Numerics
 --------
@@ -447,6 +452,22 @@ def _probs(s, row_m, row_r, BIAS_KIND: tl.constexpr):
     return p
 
 
+@triton.jit
+def _dropout_keep(seed, bh, row0, col0, r, c, drop_thresh):
+    """Dropout keep-mask of a score tile: query ``row0 + r``, key ``col0 + c`` of query head
+    ``bh`` (= b * Hq + h); ``r``/``c`` broadcastable aranges as in ``_scores``.
+
+    One Philox-4x32-10 draw per score, keyed by the 64-bit ``seed`` with the counter
+    (key, query, bh, 0); the score is kept iff the top 31 bits of the first output word are
+    >= ``drop_thresh`` = floor(p * 2**31). Forward and backward draw the same bits, and
+    ``reference.dropout_keep`` repeats the draw bit for bit on the CPU."""
+    rows = row0 + r
+    cols = col0 + c
+    zero = (rows * 0) + (cols * 0)  # the tile's full shape
+    bits, _, _, _ = tl.philox(seed, cols + zero, rows + zero, zero + bh.to(tl.int32), zero)
+    return (bits >> 1).to(tl.int32) >= drop_thresh
+
+
 # --------------------------------------------------------------------------------------------
 # Forward
 # --------------------------------------------------------------------------------------------
@@ -456,6 +477,7 @@ def _probs(s, row_m, row_r, BIAS_KIND: tl.constexpr):
 def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
               start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
               stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale,
+              seed, bh, drop_thresh, DROPOUT: tl.constexpr,
               D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
@@ -496,6 +518,10 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
         alpha = _exp(m_i - m_ref, BIAS_KIND == 2)
         p = _exp(s - m_ref[:, None], BIAS_KIND == 2)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        # The row sum l_i is of the undropped weights; 1/(1-p) is applied to the output once.
+        p = tl.where(_dropout_keep(seed, bh, start_m, start_n, offs_m[:, None], offs_n[None, :],
+                                   drop_thresh), p, 0.0)
     # P is rounded to the input dtype for the P.V product (as flash-attention does).
     pc = p.to(v0.dtype)
     acc0 = _dot_acc(pc, v0, acc0 * alpha[:, None], PRECISION, UPCAST_DOT)
@@ -516,8 +542,10 @@ def attention_fwd_kernel(
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, kv_group, Lq, Lk, score_scale,
+    Seed, drop_thresh, inv_keep,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, SCALE_POS: tl.constexpr,
+    DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
@@ -547,6 +575,10 @@ def attention_fwd_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     rows = start_m + offs_m
+    if DROPOUT:
+        seed = tl.load(Seed)
+    else:
+        seed = 0
 
     q0, q1, q2 = _load_qk(q_base, start_m, Lq, stride_qm, stride_qd, cq_base, sq_base,
                           stride_cqm, stride_cqd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
@@ -573,6 +605,7 @@ def attention_fwd_kernel(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
             start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
             stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale,
+            seed, pid_bh, drop_thresh, DROPOUT,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, False, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
     for start_n in range(full_end, hi, BLOCK_N):
@@ -580,11 +613,14 @@ def attention_fwd_kernel(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
             start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
             stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale,
+            seed, pid_bh, drop_thresh, DROPOUT,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
 
     # A fully masked row has l_i == 0: 0/0 = NaN like eager softmax, and lse = -inf.
     inv_l = 1.0 / l_i
+    if DROPOUT:
+        inv_l = inv_l * inv_keep
     if BIAS_KIND == 2:
         lse = m_i + tl.log2(l_i) * _LN2
     else:
@@ -710,6 +746,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
               ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m, offs_n,
               offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn,
               stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale,
+              seed, bh, drop_thresh, inv_keep, DROPOUT: tl.constexpr,
               D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
@@ -719,7 +756,8 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
     """One (key block, query block) pair on transposed (keys x queries) tiles: dV += P^T dO and
     dK += dS^T Q stay in registers; dQ += dS K is added atomically (unscaled; the cast kernel
     applies the softmax scale). With ROT, q (and k) are the rotated tiles, dK/dQ gradients
-    w.r.t. them (rotated back at the store / in the cast kernel)."""
+    w.r.t. them (rotated back at the store / in the cast kernel). With DROPOUT, dV takes the
+    kept weights (1/(1-p) is applied at the store) and dP the kept entries scaled by 1/(1-p)."""
     q0, q1, q2 = _load_qk(q_base, start_m, Lq, stride_qm, stride_qd, cq_base, sq_base,
                           stride_cqm, stride_cqd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
                           BLOCK_M)
@@ -741,13 +779,20 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
         s_t = _scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None], Lq, Lk,
                       bias_base, stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND, MASK)
         p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
-    pc = p_t.to(do0.dtype)
+    if DROPOUT:
+        keep = _dropout_keep(seed, bh, start_m, start_n, offs_m[None, :], offs_n[:, None],
+                             drop_thresh)
+        pc = tl.where(keep, p_t, 0.0).to(do0.dtype)
+    else:
+        pc = p_t.to(do0.dtype)
     dv0 = _dot_acc(pc, do0, dv0, PRECISION, UPCAST_DOT)
     if DV1 != 0:
         dv1 = _dot_acc(pc, do1, dv1, PRECISION, UPCAST_DOT)
     dp_t = _dot(v0, tl.trans(do0), PRECISION, UPCAST_DOT)
     if DV1 != 0:
         dp_t = _dot_acc(v1, tl.trans(do1), dp_t, PRECISION, UPCAST_DOT)
+    if DROPOUT:
+        dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
     ds_t = p_t * (dp_t - delta[None, :])
     if NEED_DS:
         ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[None, :], offs_n[:, None],
@@ -778,8 +823,10 @@ def attention_bwd_kernel(
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale,
+    Seed, drop_thresh, inv_keep, group_split, split_stride_dk, split_stride_dv,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
+    DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
@@ -788,11 +835,18 @@ def attention_bwd_kernel(
     """dK, dV of one key block of one KV head (looping over the query blocks of every query head
     of its GQA group), and that block's share of dQ (atomics into the fp32 buffer DQA, contiguous
     (B, Hq, Lq, D)). With NEED_DS also writes this key block's columns of dS (zeros for the query
-    blocks the causal mask hides entirely)."""
+    blocks the causal mask hides entirely).
+
+    With ``group_split`` > 1 the GQA group's query heads are shared out over that many programs
+    (more programs when B * Hkv * key blocks is too few for the GPU); each writes its partial
+    dK/dV at DK/DV + split * split_stride_dk/dv (fp32 buffers the launcher sums)."""
     n_n_blocks = tl.cdiv(Lk, BLOCK_N)
     pid = tl.program_id(0)
     pid_n = pid % n_n_blocks  # key block 0 (the causally heaviest) first
-    pid_bh = pid // n_n_blocks
+    rest = pid // n_n_blocks
+    split = rest % group_split
+    pid_bh = rest // group_split
+    heads_per_split = kv_group // group_split
     b = (pid_bh // Hkv).to(tl.int64)
     kvh = (pid_bh % Hkv).to(tl.int64)
     start_n = pid_n * BLOCK_N
@@ -801,6 +855,10 @@ def attention_bwd_kernel(
 
     ck_base = Cos + b * stride_ckb + kvh * stride_ckh
     sk_base = Sin + b * stride_ckb + kvh * stride_ckh
+    if DROPOUT:
+        seed = tl.load(Seed)
+    else:
+        seed = 0
     k0, k1, k2 = _load_qk(K + b * stride_kb + kvh * stride_kh, start_n, Lk, stride_kn, stride_kd,
                           ck_base, sk_base, stride_ckn, stride_ckd, D, D0, D1, D2, ROT,
                           INTERLEAVED, HALF_TABLE, BLOCK_N)
@@ -832,7 +890,7 @@ def attention_bwd_kernel(
         mid = 0
     mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
     n_full = tl.cdiv(Lq - mid, BLOCK_M)
-    for g in range(0, kv_group):
+    for g in range(split * heads_per_split, (split + 1) * heads_per_split):
         h = kvh * kv_group + g
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
@@ -856,6 +914,7 @@ def attention_bwd_kernel(
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
                 offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
                 stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale,
+                seed, b * Hq + h, drop_thresh, inv_keep, DROPOUT,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
@@ -867,6 +926,7 @@ def attention_bwd_kernel(
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
                 offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
                 stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale,
+                seed, b * Hq + h, drop_thresh, inv_keep, DROPOUT,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, False, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
 
@@ -875,11 +935,16 @@ def attention_bwd_kernel(
         dk1 = dk1 * sm_scale
     if D2 != 0:
         dk2 = dk2 * sm_scale
-    _store_grad(DK + b * stride_dkb + kvh * stride_dkh, dk0, dk1, dk2, start_n, Lk, stride_dkn,
-                stride_dkd, ck_base, sk_base, stride_ckn, stride_ckd, D, D0, D1, D2, ROT,
-                INTERLEAVED, HALF_TABLE, BLOCK_N)
-    _store_d(DV + b * stride_dvb + kvh * stride_dvh, dv0, dv1, start_n, Lk, stride_dvn,
-             stride_dvd, Dv, DV0, DV1, BLOCK_N)
+    split64 = split.to(tl.int64)
+    _store_grad(DK + split64 * split_stride_dk + b * stride_dkb + kvh * stride_dkh, dk0, dk1, dk2,
+                start_n, Lk, stride_dkn, stride_dkd, ck_base, sk_base, stride_ckn, stride_ckd, D, D0,
+                D1, D2, ROT, INTERLEAVED, HALF_TABLE, BLOCK_N)
+    if DROPOUT:
+        dv0 = dv0 * inv_keep
+        if DV1 != 0:
+            dv1 = dv1 * inv_keep
+    _store_d(DV + split64 * split_stride_dv + b * stride_dvb + kvh * stride_dvh, dv0, dv1, start_n,
+             Lk, stride_dvn, stride_dvd, Dv, DV0, DV1, BLOCK_N)
 
 
 @triton.jit
@@ -941,7 +1006,8 @@ def attention_bwd_dkdv_kernel(
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, Hkv, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
-    IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr,
+    Seed, drop_thresh, inv_keep,
+    IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -959,6 +1025,8 @@ def attention_bwd_dkdv_kernel(
     start_n = pid_n * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
+    if DROPOUT:
+        seed = tl.load(Seed)
 
     ck_base = Cos + b * stride_ckb + kvh * stride_ckh
     sk_base = Sin + b * stride_ckb + kvh * stride_ckh
@@ -1011,8 +1079,14 @@ def attention_bwd_dkdv_kernel(
                           bias_base, stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND,
                           True)
             p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
-            dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST_DOT)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
+            if DROPOUT:
+                keep = _dropout_keep(seed, b * Hq + h, start_m, start_n, offs_m[None, :],
+                                     offs_n[:, None], drop_thresh)
+                dv += _dot(tl.where(keep, p_t, 0.0).to(do.dtype), do, PRECISION, UPCAST_DOT)
+                dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
+            else:
+                dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST_DOT)
             ds_t = p_t * (dp_t - delta[None, :])
             dsc = ds_t.to(q0.dtype)
             dk0 += _dot(dsc, q0, PRECISION, UPCAST_DOT)
@@ -1029,6 +1103,8 @@ def attention_bwd_dkdv_kernel(
     _store_grad(DK + b * stride_dkb + kvh * stride_dkh, dk0, dk1, dk2, start_n, Lk, stride_dkn,
                 stride_dkd, ck_base, sk_base, stride_ckn, stride_ckd, D, D0, D1, D2, ROT,
                 INTERLEAVED, HALF_TABLE, BLOCK_N)
+    if DROPOUT:
+        dv = dv * inv_keep
     _store_tile(DV + b * stride_dvb + kvh * stride_dvh, dv, start_n, Lk, Dv, stride_dvn,
                 stride_dvd, BLOCK_N, BLOCK_DV)
 
@@ -1046,7 +1122,9 @@ def attention_bwd_dq_kernel(
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
+    Seed, drop_thresh, inv_keep,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
+    DROPOUT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -1087,6 +1165,8 @@ def attention_bwd_dq_kernel(
         row_r = tl.load(RowR + stat_off, mask=row_ok, other=0.0)
     else:
         row_r = row_m  # unused
+    if DROPOUT:
+        seed = tl.load(Seed)
     dq0 = tl.zeros([BLOCK_M, D0], tl.float32)
     if D1 != 0:
         dq1 = tl.zeros([BLOCK_M, D1], tl.float32)
@@ -1111,6 +1191,9 @@ def attention_bwd_dq_kernel(
                     stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND, True)
         p = _probs(s, row_m[:, None], row_r[:, None], BIAS_KIND)
         dp = _dot(do, tl.trans(v), PRECISION, UPCAST_DOT)
+        if DROPOUT:
+            dp = tl.where(_dropout_keep(seed, pid_bh, start_m, start_n, offs_m[:, None],
+                                        offs_n[None, :], drop_thresh), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         if NEED_DS:
             ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[:, None], offs_n[None, :],
@@ -1312,6 +1395,28 @@ def _launch(launch, cfg: AttentionConfig, user_given: bool, variant: Optional[st
 # --------------------------------------------------------------------------------------------
 
 
+_SM_COUNT: dict = {}
+
+
+def _group_split(programs: int, kv_group: int, device: torch.device) -> int:
+    """How many programs share one GQA group in the atomic backward (1 on the CPU / without GQA).
+
+    Measured on the H100 (bf16, causal; benchmarks/NOTES.md): splitting by 2 and 4 gained
+    10-40% at every shape tried, also with 512 programs (causal key blocks are unequal work, and
+    more, smaller programs even out the tail), and 8 added little over 4. So: up to 4, while the
+    grid stays under 32 programs per SM."""
+    if kv_group == 1 or device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNT.get(index)
+    if sms is None:
+        sms = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    split = 1
+    while split < 4 and kv_group % (2 * split) == 0 and programs * 2 * split <= 32 * sms:
+        split *= 2
+    return split
+
+
 def _dot_precision(t: torch.Tensor) -> str:
     # fp32 inputs follow the eager matmul setting; the interpreter only knows "ieee".
     if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
@@ -1380,6 +1485,25 @@ def _bias_args(bias, dummy):
 def _score_scale(kind: int, scale: float) -> float:
     # Natural units with a float bias (see module docstring), log2 units otherwise.
     return scale if kind == _FLOAT_BIAS else scale * 1.4426950408889634
+
+
+def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor):
+    """(Seed, drop_thresh, inv_keep, DROPOUT) kernel arguments; see ``_dropout_keep``."""
+    if dropout_p == 0.0:
+        return q, 0, 1.0, False
+    if not 0.0 < dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if seed is None:
+        raise ValueError("dropout_p > 0 needs a dropout_seed tensor (one int64 on q's device)")
+    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != q.device:
+        raise ValueError(f"dropout_seed must be one int64 on {q.device}, got {seed.dtype} "
+                         f"{tuple(seed.shape)} on {seed.device}")
+    return seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), True
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """A score is dropped iff its 31 random bits are below this (keep rate 1 - thresh / 2**31)."""
+    return min(int(dropout_p * 2**31), 2**31 - 1)
 
 
 def _bias_elt(bias_t, kind) -> int:
@@ -1467,9 +1591,13 @@ def _table_tiles(scq, sck, bm, bn, W):
 
 
 def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
-                      config: Optional[AttentionConfig] = None, rope: Optional[Rope] = None):
+                      config: Optional[AttentionConfig] = None, rope: Optional[Rope] = None,
+                      dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None):
     """Returns ``(out, lse)``; see the module docstring for shapes and semantics. With ``rope``
-    (a ``Rope``), q and k are un-rotated and rotated in registers after each load."""
+    (a ``Rope``), q and k are un-rotated and rotated in registers after each load. With
+    ``dropout_p > 0`` the weights are dropped by the draw of ``_dropout_keep`` under
+    ``dropout_seed`` (one int64 on q's device) and the kept ones scaled by 1/(1-p); lse is of the
+    undropped scores."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     B, Hq, Lq, D = q.shape
@@ -1480,6 +1608,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         return out, lse
     cos, sin, scq, sck, rc = _rope_args(rope, q, k)
     kind, bias_t, sb = _bias_args(bias, q)
+    seed, drop_thresh, inv_keep, dropout = _dropout_args(dropout_p, dropout_seed, q)
     user_given = config is not None
     cfg = AttentionConfig(*config) if user_given else _rope_adjust("fwd", _pick_config(
         "fwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind)), q.dtype, rc)
@@ -1499,8 +1628,9 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         attention_fwd_kernel[grid](
             q, k, v, bias_t, out, lse, cos, sin,
             *q.stride(), *k.stride(), *v.stride(), *sb, *out.stride(), *lse.stride(), *scq, *sck,
-            Hq, Hq // Hkv, Lq, Lk, _score_scale(kind, scale), D, Dv,
+            Hq, Hq // Hkv, Lq, Lk, _score_scale(kind, scale), seed, drop_thresh, inv_keep, D, Dv,
             IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, SCALE_POS=bool(scale >= 0),
+            DROPOUT=dropout,
             PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
             BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -1512,10 +1642,14 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
 
 def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale: float,
                        need_dbias: bool, config: Optional[AttentionConfig] = None,
-                       deterministic: Optional[bool] = None, rope: Optional[Rope] = None):
+                       deterministic: Optional[bool] = None, rope: Optional[Rope] = None,
+                       dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
+                       group_split: Optional[int] = None):
     """Returns ``(dq, dk, dv, dbias_or_None)``; see the module docstring. ``deterministic``
     (default: ``torch.are_deterministic_algorithms_enabled()``) picks the atomic-free kernels.
-    With ``rope``, q and k are the un-rotated inputs and dq/dk the gradients w.r.t. them."""
+    With ``rope``, q and k are the un-rotated inputs and dq/dk the gradients w.r.t. them.
+    ``group_split`` (atomic path, default ``_group_split``) shares each GQA group's query heads
+    out over that many programs, whose fp32 dK/dV partials are then summed."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     dout = dout.contiguous()
@@ -1536,6 +1670,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
 
     cos, sin, scq, sck, rc = _rope_args(rope, q, k)
     kind, bias_t, sb = _bias_args(bias, q)
+    seed, drop_thresh, inv_keep, dropout = _dropout_args(dropout_p, dropout_seed, q)
     user_given = config is not None
     if user_given:
         cfg = AttentionConfig(*config)
@@ -1571,6 +1706,16 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
 
     if not deterministic:
         def launch(cfg):
+            split = group_split or _group_split(B * Hkv * triton.cdiv(Lk, cfg.block_n), Hq // Hkv, dev)
+            if Hq // Hkv % split:
+                raise ValueError(f"group_split={split} does not divide the GQA group of {Hq // Hkv}")
+            if split > 1:
+                dk_out = _empty((split, B, Hkv, Lk, D), torch.float32, dev)
+                dv_out = _empty((split, B, Hkv, Lk, Dv), torch.float32, dev)
+                dk_strides, dv_strides = dk_out.stride()[1:], dv_out.stride()[1:]
+                split_strides = (dk_out.stride(0), dv_out.stride(0))
+            else:
+                dk_out, dv_out, dk_strides, dv_strides, split_strides = dk, dv, dk.stride(), dv.stride(), (0, 0)
             d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)
             dv0, dv1 = _d_parts(Dv, cfg.split_d)
             bm, bn = cfg.block_m, cfg.block_n
@@ -1581,15 +1726,19 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                                  ("dout", *dout.stride()[2:], bm, dv0 + dv1),
                                  ("bias", *sb[2:], bm, bn), ("dbias", Lk, 1, bm, bn)]
                                 + _table_tiles(scq, sck, bm, bn, W))
-            attention_bwd_kernel[(triton.cdiv(Lk, bn) * B * Hkv,)](
-                q, k, v, bias_t, dout, dqa, dk, dv, ds_t, delta, row_m, row_r, cos, sin,
-                *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk.stride(),
-                *dv.stride(), *ds_strides, *scq, *sck,
-                Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale, scale, D, Dv,
-                NEED_DS=bool(need_dbias), **common,
+            attention_bwd_kernel[(triton.cdiv(Lk, bn) * B * Hkv * split,)](
+                q, k, v, bias_t, dout, dqa, dk_out, dv_out, ds_t, delta, row_m, row_r, cos, sin,
+                *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk_strides,
+                *dv_strides, *ds_strides, *scq, *sck,
+                Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale, scale, seed, drop_thresh, inv_keep,
+                split, *split_strides,
+                D, Dv, NEED_DS=bool(need_dbias), DROPOUT=dropout, **common,
                 BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
+            if split > 1:
+                dk.copy_(dk_out.sum(0))
+                dv.copy_(dv_out.sum(0))
 
         _launch(launch, cfg, user_given, "rope" if rc["ROT"] else None)
         if rc["ROT"]:
@@ -1615,12 +1764,13 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     attention_bwd_dkdv_kernel[(triton.cdiv(Lk, bn) * B * Hkv,)](
         q, k, v, bias_t, dout, dk, dv, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk.stride(), *dv.stride(),
-        *scq, *sck, Hq, Hkv, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, **consts,
+        *scq, *sck, Hq, Hkv, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,
+        inv_keep, DROPOUT=dropout, **consts,
     )
     attention_bwd_dq_kernel[(triton.cdiv(Lq, bm) * B * Hq,)](
         q, k, v, bias_t, dout, dq, ds_t, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dq.stride(), *ds_strides,
-        *scq, *sck, Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, NEED_DS=bool(need_dbias),
-        **consts,
+        *scq, *sck, Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,
+        inv_keep, NEED_DS=bool(need_dbias), DROPOUT=dropout, **consts,
     )
     return dq, dk, dv, dbias

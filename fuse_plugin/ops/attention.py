@@ -1,6 +1,7 @@
 """`fuse_plugin::attention` and its backward op.
 
-    out, lse = torch.ops.fuse_plugin.attention(q, k, v, attn_bias, dropout_p, is_causal, scale)
+    out, lse = torch.ops.fuse_plugin.attention(q, k, v, attn_bias, dropout_p, is_causal, scale,
+                                               dropout_seed=None)
 
 computes softmax(q·kᵀ·scale + bias [causal]) · v with
   q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq a multiple of Hkv (GQA: q head h
@@ -10,8 +11,14 @@ computes softmax(q·kᵀ·scale + bias [causal]) · v with
   also when Lq != Lk (so with Lq > Lk every row still sees key 0; a KV-cache decode step
   wants bottom-right alignment and must pass an explicit mask instead).
 Outputs: out (B, Hq, Lq, Dv) contiguous in q's dtype, lse (B, Hq, Lq) float32 (natural log).
-lse is not differentiable. dropout_p > 0 is not implemented yet (the recogniser leaves such
-subgraphs alone); `dropout_seed` is reserved for it.
+lse is not differentiable.
+
+Dropout: with dropout_p > 0 the attention weights are dropped with probability dropout_p and the
+kept ones scaled by 1/(1 - dropout_p), as `F.dropout` would do after the softmax (lse stays that
+of the undropped softmax). The mask is a pure function of `dropout_seed` (one int64 tensor on q's
+device, from `new_dropout_seed`, i.e. from torch's RNG, so `torch.manual_seed` makes it
+repeatable): the backward redraws the same mask, and the CPU reference draws it bit for bit like
+the kernels (reference.dropout_keep). dropout_p > 0 without a seed is an error.
 """
 from __future__ import annotations
 
@@ -34,9 +41,28 @@ def _runs_kernel(q: Tensor, v: Tensor) -> bool:
     return _dispatch.runs_triton(q) and 16 <= q.shape[-1] <= 256 and 16 <= v.shape[-1] <= 256
 
 
-def no_dropout(dropout_p: float) -> None:
-    if dropout_p != 0.0:
-        raise NotImplementedError("fuse_plugin::attention: dropout_p > 0 is not implemented yet")
+def check_dropout(dropout_p: float, dropout_seed: Optional[Tensor], q: Tensor) -> None:
+    """Errors that name the problem; the kernels and the reference trust these."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"fuse_plugin::attention: dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p == 0.0:
+        return
+    if dropout_seed is None:
+        raise ValueError(
+            "fuse_plugin::attention: dropout_p > 0 needs dropout_seed (one int64 on q's device, "
+            "e.g. fuse_plugin.ops.attention.new_dropout_seed(q.device))"
+        )
+    if dropout_seed.dtype != torch.int64 or dropout_seed.numel() != 1 or dropout_seed.device != q.device:
+        raise ValueError(
+            f"fuse_plugin::attention: dropout_seed must be one int64 on {q.device}, got "
+            f"{dropout_seed.dtype} of shape {tuple(dropout_seed.shape)} on {dropout_seed.device}"
+        )
+
+
+def new_dropout_seed(device: torch.device) -> Tensor:
+    """A fresh dropout seed drawn from torch's generator of `device` (so torch.manual_seed fixes
+    the dropout mask)."""
+    return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
 
 
 def bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
@@ -58,20 +84,24 @@ def attention(
     dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
-    no_dropout(dropout_p)
-    return forward_impl(q, k, v, attn_bias, is_causal, scale)
+    check_dropout(dropout_p, dropout_seed, q)
+    return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
 
 
-def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], is_causal: bool, scale: float):
+def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], is_causal: bool, scale: float,
+                 dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None):
     """The op's computation (also the second half of `rope_attention`'s unfused path)."""
     bias = bias_4d(attn_bias, q, k)
     if _runs_kernel(q, v):
-        return _kernels().attention_forward(q, k, v, bias, is_causal=is_causal, scale=scale)
-    return reference.attention_forward(q, k, v, bias, is_causal, scale)
+        return _kernels().attention_forward(
+            q, k, v, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed
+        )
+    return reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
 
 
 @attention.register_fake
 def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
+    check_dropout(dropout_p, dropout_seed, q)
     b, hq, lq, _ = q.shape
     out = q.new_empty((b, hq, lq, v.shape[-1]))
     lse = q.new_empty((b, hq, lq), dtype=torch.float32)
@@ -94,18 +124,21 @@ def attention_backward(
     need_dbias: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
-    no_dropout(dropout_p)
-    return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias)
+    check_dropout(dropout_p, dropout_seed, q)
+    return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed)
 
 
-def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias):
+def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p=0.0, dropout_seed=None):
     bias = bias_4d(attn_bias, q, k)
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
-            dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias
+            dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
+            dropout_p=dropout_p, dropout_seed=dropout_seed,
         )
     else:
-        dq, dk, dv, ds = reference.attention_backward(dout, q, k, v, bias, is_causal, scale, need_dbias)
+        dq, dk, dv, ds = reference.attention_backward(
+            dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed
+        )
     return dq, dk, dv, reduce_dbias(ds, attn_bias, q, need_dbias)
 
 

@@ -59,8 +59,62 @@ def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, 
     return _grouped(p, g), torch.logsumexp(s, dim=-1)
 
 
-def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+# Philox-4x32 constants (Salmon et al. 2011), as in triton.language.random.
+_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
+_U32 = 0xFFFFFFFF
+
+
+def _mul32(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """(high, low) 32-bit words of a * m for a in [0, 2**32) (int64) and a 32-bit constant m,
+    without int64 overflow: a = a_hi * 2**16 + a_lo, each partial product < 2**48."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    p_hi, p_lo = a_hi * m, a_lo * m
+    high = (p_hi + (p_lo >> 16)) >> 16
+    low = (((p_hi & 0xFFFF) << 16) + p_lo) & _U32
+    return high, low
+
+
+def philox_4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds: int = 10) -> Tensor:
+    """First output word of Philox-4x32-``rounds`` keyed by a 64-bit seed, for int64 counter
+    tensors holding 32-bit values: the bits ``tl.philox(seed, c0, c1, c2, c3)`` returns first."""
+    k0, k1 = seed & _U32, (seed >> 32) & _U32
+    for _ in range(rounds):
+        hi_b, lo_b = _mul32(c2, _PHILOX_ROUND_B)
+        hi_a, lo_a = _mul32(c0, _PHILOX_ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _PHILOX_KEY_A) & _U32, (k1 + _PHILOX_KEY_B) & _U32
+    return c0
+
+
+def dropout_keep(seed: int, shape: tuple[int, int, int, int], dropout_p: float, device=None) -> Tensor:
+    """(B, Hq, Lq, Lk) bool keep-mask of the attention kernels' dropout (kernels/attention.py,
+    ``_dropout_keep``): Philox counter (key j, query i, b * Hq + h, 0); kept iff the top 31 bits
+    of the first word are >= floor(p * 2**31)."""
+    b, hq, lq, lk = shape
+    kw = dict(dtype=torch.int64, device=device)
+    j = torch.arange(lk, **kw).view(1, 1, 1, lk)
+    i = torch.arange(lq, **kw).view(1, 1, lq, 1)
+    bh = torch.arange(b * hq, **kw).view(b, hq, 1, 1)
+    zero = torch.zeros(shape, **kw)
+    bits = philox_4x32(int(seed), j + zero, i + zero, bh + zero, zero)
+    return (bits >> 1) >= min(int(dropout_p * 2**31), 2**31 - 1)
+
+
+def _dropped(x: Tensor, dropout_p: float, seed: Tensor | None, shape: tuple) -> Tensor:
+    """x (B, Hkv, G, Lq, Lk) with the dropout mask applied and kept entries scaled by 1/(1-p)."""
+    if dropout_p == 0.0:
+        return x
+    if seed is None:
+        raise ValueError("dropout_p > 0 needs a dropout_seed tensor")
+    keep = dropout_keep(int(seed.reshape(()).item()), shape, dropout_p, x.device).view(x.shape)
+    return torch.where(keep, x * (1.0 / (1.0 - dropout_p)), 0.0)
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
+                      dropout_p: float = 0.0, dropout_seed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     p, lse = attention_probs(q, k, bias, is_causal, scale)
+    p = _dropped(p, dropout_p, dropout_seed, tuple(lse.shape) + (k.shape[2],))
     out = p @ v.to(p.dtype).unsqueeze(2)
     b, hq, lq = lse.shape
     out = out.reshape(b, hq, lq, v.shape[-1]).to(q.dtype)
@@ -68,16 +122,19 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_c
 
 
 def attention_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float, need_dbias: bool
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float, need_dbias: bool,
+    dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """dq, dk, dv (input dtypes) and dS (B, Hq, Lq, Lk) in the compute dtype when need_dbias."""
-    p, _ = attention_probs(q, k, bias, is_causal, scale)  # (B, Hkv, G, Lq, Lk)
+    p, lse = attention_probs(q, k, bias, is_causal, scale)  # (B, Hkv, G, Lq, Lk)
     ct = p.dtype
     g = q.shape[1] // k.shape[1]
     do = _grouped(dout.to(ct), g)
     vv = v.to(ct).unsqueeze(2)
-    dv = (p.transpose(-1, -2) @ do).sum(2)
-    dp = do @ vv.transpose(-1, -2)
+    # With dropout, out = P' v with P' = mask * P / (1 - p): dv = P'^T dO, dP = mask * dP' / (1 - p).
+    shape = tuple(lse.shape) + (k.shape[2],)
+    dv = (_dropped(p, dropout_p, dropout_seed, shape).transpose(-1, -2) @ do).sum(2)
+    dp = _dropped(do @ vv.transpose(-1, -2), dropout_p, dropout_seed, shape)
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))
     dq = (ds @ k.to(ct).unsqueeze(2)) * scale
     dk = (ds.transpose(-1, -2) @ _grouped(q.to(ct), g)).sum(2) * scale

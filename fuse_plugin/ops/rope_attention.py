@@ -93,19 +93,21 @@ def rope_attention(
     scale: float,
     dropout_seed: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    attention.no_dropout(dropout_p)
+    attention.check_dropout(dropout_p, dropout_seed, q)
     _check(q, k, v, cos, sin, rotary_dim)
     if fused(q, v, cos, sin):
         bias = attention.bias_4d(attn_bias, q, k)
         return _kernels().attention_forward(
-            q, k, v, bias, is_causal=is_causal, scale=scale, rope=_rope(cos, sin, interleaved, rotary_dim)
+            q, k, v, bias, is_causal=is_causal, scale=scale, rope=_rope(cos, sin, interleaved, rotary_dim),
+            dropout_p=dropout_p, dropout_seed=dropout_seed,
         )
     q_rot, k_rot = _rotated(q, k, cos, sin, interleaved, rotary_dim)
-    return attention.forward_impl(q_rot, k_rot, v, attn_bias, is_causal, scale)
+    return attention.forward_impl(q_rot, k_rot, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
 
 
 @rope_attention.register_fake
 def _(q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
+    attention.check_dropout(dropout_p, dropout_seed, q)
     _check(q, k, v, cos, sin, rotary_dim)
     b, hq, lq, _ = q.shape
     return q.new_empty((b, hq, lq, v.shape[-1])), q.new_empty((b, hq, lq), dtype=torch.float32)
@@ -133,17 +135,19 @@ def rope_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk (w.r.t. the un-rotated q, k), dv, dbias (empty unless need_dbias), dcos, dsin (empty
     unless need_dtables)."""
-    attention.no_dropout(dropout_p)
+    attention.check_dropout(dropout_p, dropout_seed, q)
     empty = q.new_empty((0,))
     if fused(q, v, cos, sin) and not need_dtables:
         bias = attention.bias_4d(attn_bias, q, k)
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
-            rope=_rope(cos, sin, interleaved, rotary_dim),
+            rope=_rope(cos, sin, interleaved, rotary_dim), dropout_p=dropout_p, dropout_seed=dropout_seed,
         )
         return dq, dk, dv, attention.reduce_dbias(ds, attn_bias, q, need_dbias), empty, empty.clone()
     q_rot, k_rot = _rotated(q, k, cos, sin, interleaved, rotary_dim)
-    dq_rot, dk_rot, dv, dbias = attention.backward_impl(dout, q_rot, k_rot, v, attn_bias, out, lse, is_causal, scale, need_dbias)
+    dq_rot, dk_rot, dv, dbias = attention.backward_impl(
+        dout, q_rot, k_rot, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed
+    )
     dq, dk = rotary_ops._rotate_qk(dq_rot, dk_rot, cos, sin, interleaved, rotary_dim, True, q.dtype, k.dtype)
     dcos, dsin = empty, empty.clone()
     if need_dtables:

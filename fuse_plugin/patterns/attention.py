@@ -11,10 +11,12 @@ instead of traced patterns. From every softmax it walks
                                      as (B, H, Lq, Lk) (`_split_batch`), reads the 4-D q and k
     x = scores ∘ scale ∘ masks       `_chain`: * s, / s, + bias, - bias, masked_fill, where, casts
     w = softmax(x, dim=-1)           (dtype=, .float() before, .to()/.type_as() after)
-    w = dropout(w)                   only p == 0 or training=False
+    w = dropout(w)                   any constant p in [0, 1) and training flag (p > 0 in
+                                     training: done by the op, with its own random mask)
     out = w · v                      `_weights_times_v`: matmul / bmm / einsum
 
-and replaces `out` by `attention(q, k, v, bias, 0.0, is_causal, scale)[0]` (then the squeeze, permute
+and replaces `out` by `attention(q, k, v, bias, dropout_p, is_causal, scale, seed)[0]` (seed =
+`torch.randint(...)` only with dropout; then the squeeze, permute
 or cast that gives exactly the eager shape and dtype). The masks become one `bias`
 (attention_bias.py): a causal mask proven from the graph (causal_mask.py: tril / triu of ones or
 of a full, `arange` comparisons, a registered tril buffer sliced `[:T, :T]`) becomes `is_causal`;
@@ -89,6 +91,7 @@ class AttentionSite:
     out_ops: tuple  # view ops on the op's output (einsum output order)
     matched: list  # the nodes from scores to output, erased when dead
     notes: list = field(default_factory=list)
+    dropout_p: float = 0.0  # F.dropout(w, p, training=True) on the weights, done by the op
 
 
 # =============================================================================== q·kᵀ and w·v
@@ -514,7 +517,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     if dim is None or dim != len(s) - 1:
         return f"softmax over dim {c['dim']}, not the last dim"
     # ---------------------------------------------------------------- output side: w → w·v
-    w, between = softmax, []
+    w, between, dropout_p = softmax, [], 0.0
     while True:
         users = list(w.users)
         if len(users) != 1:
@@ -530,7 +533,11 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
             if not isinstance(p, (int, float)) or not isinstance(training, bool):
                 return "dropout with a non-constant p or training flag"
             if p != 0 and training:
-                return "dropout p>0 in training: kernel has no dropout yet"
+                if dropout_p:
+                    return "two dropouts on the attention weights"
+                if not 0 < p < 1:
+                    return f"dropout p={p} (the op takes 0 <= p < 1)"
+                dropout_p = float(p)
         elif cu is None or not (float_cast_dtype(cu) is not None or is_identity(cu)):
             return f"softmax output feeds {_describe(u)}, not a product with v"
         between.append(u)
@@ -623,7 +630,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
         softmax=softmax, scores=scores, output=pv, q=q, k=k, v=v, rank=rank,
         scale=qk_scale * scale, scale_nodes=scale_nodes, bias_parts=bias_parts,
         is_causal=is_causal, causal_note=causal_note, kv_groups=groups,
-        out_ops=out_ops, matched=matched, notes=notes,
+        out_ops=out_ops, matched=matched, notes=notes, dropout_p=dropout_p,
     )
 
 
@@ -649,7 +656,12 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         for _ in range(4 - site.rank):
             q, k, v = (b.method("unsqueeze", t, 0) for t in (q, k, v))
         bias, bias_kind = build_bias(b, site.bias_parts, ctx.setdefault("bias_memo", {}))
-        op = b.function(ATTENTION_OP, q, k, v, bias, 0.0, site.is_causal, float(site.scale))
+        seed = ()
+        if site.dropout_p:
+            # A fresh seed per call from torch's RNG: the op's forward and backward draw the same mask.
+            seed = (b.factory(site.q.node, torch.randint, 0, 2**62, (), dtype=torch.int64,
+                              device=_device(site.q.node)),)
+        op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed)
         out = b.function(operator.getitem, op, 0)
         for _ in range(4 - site.rank):
             out = b.method("squeeze", out, 0)
@@ -680,10 +692,17 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         parts.append(f"bias: {bias_kind}")
     if site.kv_groups > 1:
         parts.append(f"GQA: k/v un-repeated ({site.kv_groups} q heads per kv head)")
+    if site.dropout_p:
+        parts.append(f"dropout p={site.dropout_p:g} in the kernel")
     if site.rank < 4:
         parts.append(f"{site.rank}-D")
     parts += site.notes
     return ", ".join(parts)
+
+
+def _device(node: fx.Node) -> torch.device:
+    value = example_value(node)
+    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
 
 
 def _build_operand(b: NodeBuilder, x: _Operand) -> fx.Node:

@@ -80,19 +80,25 @@ class NodeBuilder:
         other.created = self.created
         return other
 
-    def _finish(self, node: fx.Node) -> fx.Node:
+    def _finish(self, node: fx.Node, fake_mode=None) -> fx.Node:
         self.created.append(node)
         copy_source_meta(node, self.meta_from)
-        set_example_value(node, self.fake_mode)
+        set_example_value(node, fake_mode or self.fake_mode)
         return node
 
-    def add(self, op: str, target, args: tuple, kwargs: Optional[dict] = None) -> fx.Node:
+    def add(self, op: str, target, args: tuple, kwargs: Optional[dict] = None, fake_mode=None) -> fx.Node:
         with self.graph.inserting_before(self.before):
             node = self.graph.create_node(op, target, args, kwargs or {})
-        return self._finish(node)
+        return self._finish(node, fake_mode)
 
     def function(self, target, *args, **kwargs) -> fx.Node:
         return self.add("call_function", target, args, kwargs)
+
+    def factory(self, like: fx.Node, target, *args, **kwargs) -> fx.Node:
+        """A call without tensor inputs (e.g. torch.randint). Its example value is made under the
+        fake mode of `like`'s example value, so that the nodes using both stay in one mode."""
+        value = example_value(like)
+        return self.add("call_function", target, args, kwargs, getattr(value, "fake_mode", None))
 
     def method(self, name: str, *args) -> fx.Node:
         return self.add("call_method", name, args)
