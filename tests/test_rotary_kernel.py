@@ -295,3 +295,90 @@ def test_bad_arguments():
         rotary_forward(x[0], cos, sin, rotary_dim=16, **kw)  # not 4-D
     with pytest.raises(ValueError):
         rotary_forward(x, cos, sin, rotary_dim=16, config={"BLOCK_ROWS": 3}, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel variants and launch paths (configs, head chunks, q+k sharing positions, swapped dims)
+# ------------------------------------------------------------------------------------------------
+
+VARIANT_CONFIGS = [
+    {"BLOCK_ROWS": 4, "BLOCK_HEADS": 2, "num_warps": 2},  # head loop over all heads, rows tile
+    {"BLOCK_ROWS": 4, "BLOCK_HEADS": 2, "SPLIT_HALVES": True, "num_warps": 2},
+    {"BLOCK_ROWS": 8, "BLOCK_HEADS": 1, "HEADS_PER_PROGRAM": 3, "num_stages": 2},  # chunks across q|k
+    {"BLOCK_ROWS": 2, "BLOCK_HEADS": 4, "HEADS_PER_PROGRAM": 4, "SPLIT_HALVES": True, "num_stages": 3},
+]
+
+
+@pytest.mark.parametrize("config", VARIANT_CONFIGS, ids=["rows", "halves", "chunks", "halves-chunks"])
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "bwd"])
+@pytest.mark.parametrize("interleaved,half_width", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("D,R", [(96, 96), (80, 48), (16, 16)])
+def test_variants_qk(config, backward, interleaved, half_width, D, R):
+    """Every kernel variant against float64, q (5 heads) and k (3 heads) sharing positions, odd L."""
+    B, Hq, Hk, L = 2, 5, 3, 7
+    W = R // 2 if half_width else R
+    q = make_x(B, Hq, L, D, dtype=torch.bfloat16, layout="blhd")
+    k = make_x(B, Hk, L, D, dtype=torch.bfloat16, layout="bhld")
+    cos, sin = make_tables((B, 1, L, W))
+    q_out, k_out = rotary_qk_forward(
+        q, k, cos.expand(B, Hq, L, W), sin.expand(B, Hq, L, W), cos.expand(B, Hk, L, W), sin.expand(B, Hk, L, W),
+        interleaved=interleaved, rotary_dim=R, backward=backward,
+        q_out_dtype=torch.float32, k_out_dtype=torch.bfloat16, config=config)
+    kw = dict(interleaved=interleaved, rotary_dim=R, backward=backward)
+    check(q_out, expected(q, cos, sin, **kw), torch.float32)  # bf16 input, fp32 math and output
+    check(k_out, expected(k, cos, sin, **kw), torch.bfloat16)
+    if R < D:
+        assert torch.equal(q_out[..., R:].cpu(), q[..., R:].float().cpu())
+
+
+@pytest.mark.parametrize("D,R", [(160, 160), (192, 64), (256, 256), (256, 128)])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_large_head_dims(D, R, interleaved):
+    B, H, L = 1, 3, 5
+    x = make_x(B, H, L, D, layout="blhd")
+    cos, sin = make_tables((L, R))
+    for backward in (False, True):
+        out = rotary_forward(x, cos, sin, interleaved=interleaved, rotary_dim=R, backward=backward,
+                             out_dtype=torch.float32)
+        check(out, expected(x, cos, sin, interleaved=interleaved, rotary_dim=R, backward=backward), torch.float32)
+
+
+@pytest.mark.parametrize("table_per_head", [False, True], ids=["bcast", "per_head"])
+def test_heads_in_dim2(table_per_head):
+    """x as (B, L, H, D) (rotation before the head transpose): tables broadcast over dim 2, so the
+    launcher loops over dim 2 instead; with per-head tables (no broadcast) it keeps dim 1."""
+    B, L, H, D, R = 2, 9, 4, 64, 64
+    x = torch.randn(B, L, H, D, device=DEVICE)
+    shape = (B, L, H, R) if table_per_head else (B, L, 1, R)
+    cos, sin = make_tables(shape)
+    for backward in (False, True):
+        out = rotary_forward(x, cos.expand(B, L, H, R), sin.expand(B, L, H, R), interleaved=False, rotary_dim=R,
+                             backward=backward, out_dtype=torch.float32)
+        assert out.is_contiguous()
+        check(out, expected(x, cos, sin, interleaved=False, rotary_dim=R, backward=backward), torch.float32)
+
+
+def test_qk_same_positions_different_head_dims():
+    """q and k share (A, C) (one program does both) but differ in head_dim and head count."""
+    R = 32
+    q = make_x(2, 3, 11, 64, layout="blhd")
+    k = make_x(2, 2, 11, 80, layout="blhd")
+    cos, sin = make_tables((2, 1, 11, R // 2))
+    for config in (None, {"BLOCK_ROWS": 4, "BLOCK_HEADS": 2, "HEADS_PER_PROGRAM": 2, "SPLIT_HALVES": True}):
+        q_out, k_out = rotary_qk_forward(q, k, cos, sin, interleaved=False, rotary_dim=R, q_out_dtype=torch.float32,
+                                         k_out_dtype=torch.float32, config=config)
+        check(q_out, expected(q, cos, sin, interleaved=False, rotary_dim=R, backward=False), torch.float32)
+        check(k_out, expected(k, cos, sin, interleaved=False, rotary_dim=R, backward=False), torch.float32)
+
+
+def test_default_config_shapes():
+    from fuse_plugin.kernels.rotary import default_config
+    for D in (16, 64, 80, 128, 256):
+        for n_heads, n_pos in ((1, 1), (40, 16384), (64, 16384), (4, 3)):
+            cfg = default_config(D, n_heads * n_pos, n_heads=n_heads, n_pos=n_pos)
+            assert cfg["BLOCK_ROWS"] <= triton_next_pow2(n_pos)
+            assert cfg["BLOCK_ROWS"] * cfg.get("BLOCK_HEADS", 1) * triton_next_pow2(D) <= 16384
+
+
+def triton_next_pow2(n):
+    return 1 << (max(n, 1) - 1).bit_length()
