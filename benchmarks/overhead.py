@@ -51,6 +51,8 @@ def main():
         x = torch.randn(1024, device=dev)
         rows.append(("torch add (reference launch)", per_call_us(lambda: x.add(1.0))))
     rows.append(("attention op fwd+bwd via autograd", per_call_us(lambda: torch.autograd.grad(OPS.attention(q, k, v, None, 0.0, True, 0.125)[0], (q, k, v), dout), n=500)))
+    qr, krg, vrg = (t.detach().requires_grad_() for t in (q, kr, vr))
+    rows.append(("SDPA fwd+bwd via autograd (flash)", per_call_us(lambda: torch.autograd.grad(F.scaled_dot_product_attention(qr, krg, vrg, is_causal=True), (qr, krg, vrg), dout), n=500)))
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__}")
     for name, us in rows:
         print(f"{name:45} {us:8.1f} us/call")

@@ -376,3 +376,4 @@ def test_out_of_resources_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning):
         assert attn._launch(launch2, fits_with_two, user_given=False) == "ok"
     assert seen[-1] == fits_with_two._replace(num_stages=2)
+

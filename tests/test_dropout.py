@@ -33,7 +33,8 @@ def kernel_mask(b, hq, lq, lk, p, seed):
     k = torch.zeros(b, hq, lk, 16, device=DEVICE)
     v = torch.eye(lk, device=DEVICE).expand(b, hq, lk, lk).contiguous()
     out, _ = OPS.attention(q, k, v, None, p, False, 1.0, seed)
-    scaled = out.double().cpu() * lk * (1 - p)  # 1 where kept, 0 where dropped
+    keep_rate = 1 - reference.dropout_threshold(p) / 2**16
+    scaled = out.double().cpu() * lk * keep_rate  # 1 where kept, 0 where dropped
     assert torch.allclose(scaled, scaled.round(), atol=1e-4), "output is not a 0/1 mask"
     return scaled.round().bool()
 

@@ -15,10 +15,11 @@ Shapes and layouts
 * Backward: ``dq``/``dk``/``dv`` contiguous, shaped/typed as q/k/v; optional ``dbias`` is the
   fp32 (B, Hq, Lq, Lk) gradient dS of the scores (the caller reduces it to the bias's shape).
 * Dropout (``dropout_p > 0``, ``dropout_seed`` one int64 on the device): each weight P[b,h,i,j]
-  is kept iff a Philox-4x32-10 draw keyed by the seed with counter (j, i, b*Hq + h, 0) passes
-  ``_dropout_keep``; kept weights are scaled by 1/(1-p). The row sum and ``lse`` are of the
-  undropped softmax. Forward and backward draw the same mask; ``reference.dropout_keep``
-  reproduces it bit for bit. Nothing of size Lq * Lk is stored.
+  is kept iff its 16 bits of a Philox-4x32-10 draw keyed by the seed (counter (j // 8, i,
+  b*Hq + h, 0), ``_dropout_keep``) reach floor(p * 2**16); kept weights are scaled by the inverse
+  of that keep rate (1/(1-p) to within 2**-16). The row sum and ``lse`` are of the undropped
+  softmax. Forward and backward draw the same mask; ``reference.dropout_keep`` reproduces it bit
+  for bit. Nothing of size Lq * Lk is stored.
 
 Numerics
 --------
@@ -86,6 +87,8 @@ import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from . import tuning
+from .host import cdiv as _cdiv
+from .host import next_pow2 as _next_pow2
 
 __all__ = ["AttentionConfig", "Rope", "attention_forward", "attention_backward"]
 
@@ -453,19 +456,38 @@ def _probs(s, row_m, row_r, BIAS_KIND: tl.constexpr):
 
 
 @triton.jit
-def _dropout_keep(seed, bh, row0, col0, r, c, drop_thresh):
-    """Dropout keep-mask of a score tile: query ``row0 + r``, key ``col0 + c`` of query head
-    ``bh`` (= b * Hq + h); ``r``/``c`` broadcastable aranges as in ``_scores``.
+def _dropout_keep(seed, bh, row0, col0, offs_r, offs_c, drop_thresh, TRANSPOSED: tl.constexpr):
+    """Dropout keep-mask of the score tile of queries ``row0 + offs_r`` and keys ``col0 + offs_c``
+    of query head ``bh`` (= b * Hq + h): (queries, keys), or (keys, queries) with TRANSPOSED.
 
-    One Philox-4x32-10 draw per score, keyed by the 64-bit ``seed`` with the counter
-    (key, query, bh, 0); the score is kept iff the top 31 bits of the first output word are
-    >= ``drop_thresh`` = floor(p * 2**31). Forward and backward draw the same bits, and
-    ``reference.dropout_keep`` repeats the draw bit for bit on the CPU."""
-    rows = row0 + r
-    cols = col0 + c
-    zero = (rows * 0) + (cols * 0)  # the tile's full shape
-    bits, _, _, _ = tl.philox(seed, cols + zero, rows + zero, zero + bh.to(tl.int32), zero)
-    return (bits >> 1).to(tl.int32) >= drop_thresh
+    16 random bits per score, 8 scores per Philox-4x32-10 draw: keys 8g..8g+7 of query i share the
+    draw keyed by the 64-bit ``seed`` with counter (g, i, bh, 0); key 8g + t takes word t // 2,
+    its low half for even t, and is kept iff those 16 bits are >= ``drop_thresh``
+    (= floor(p * 2**16)). The mask depends on (seed, bh, i, j) alone, not on the tiling, so the
+    forward and both backward paths draw the same one, and ``reference.dropout_keep`` repeats it
+    bit for bit on the CPU. ``col0`` is a multiple of 8 (tiles are >= 16 wide)."""
+    BLOCK_R: tl.constexpr = offs_r.shape[0]
+    BLOCK_C: tl.constexpr = offs_c.shape[0]
+    rows = (row0 + offs_r)[:, None]
+    groups = (col0 // 8 + tl.arange(0, BLOCK_C // 8))[None, :]
+    zero = rows * 0 + groups * 0  # (BLOCK_R, BLOCK_C // 8)
+    w0, w1, w2, w3 = tl.philox(seed, groups + zero, rows + zero, zero + bh.to(tl.int32), zero)
+    m0 = ((w0 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m1 = ((w0 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m2 = ((w1 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m3 = ((w1 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m4 = ((w2 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m5 = ((w2 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m6 = ((w3 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m7 = ((w3 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
+    # Interleave into key order 8g + t, t = 4a + 2w + u: each join appends a LAST axis, so join
+    # over the most significant digit first; the (g, a, w, u) row-major flatten is then 8g + t.
+    y0 = tl.join(tl.join(m0, m4), tl.join(m2, m6))  # u = 0: [..., a, w]
+    y1 = tl.join(tl.join(m1, m5), tl.join(m3, m7))  # u = 1
+    keep = tl.reshape(tl.join(y0, y1), [BLOCK_R, BLOCK_C]) != 0
+    if TRANSPOSED:
+        keep = tl.trans(keep)
+    return keep
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,8 +542,8 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
     l_i = l_i * alpha + tl.sum(p, 1)
     if DROPOUT:
         # The row sum l_i is of the undropped weights; 1/(1-p) is applied to the output once.
-        p = tl.where(_dropout_keep(seed, bh, start_m, start_n, offs_m[:, None], offs_n[None, :],
-                                   drop_thresh), p, 0.0)
+        p = tl.where(_dropout_keep(seed, bh, start_m, start_n, offs_m, offs_n, drop_thresh, False),
+                     p, 0.0)
     # P is rounded to the input dtype for the P.V product (as flash-attention does).
     pc = p.to(v0.dtype)
     acc0 = _dot_acc(pc, v0, acc0 * alpha[:, None], PRECISION, UPCAST_DOT)
@@ -780,8 +802,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
                       bias_base, stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND, MASK)
         p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
     if DROPOUT:
-        keep = _dropout_keep(seed, bh, start_m, start_n, offs_m[None, :], offs_n[:, None],
-                             drop_thresh)
+        keep = _dropout_keep(seed, bh, start_m, start_n, offs_m, offs_n, drop_thresh, True)
         pc = tl.where(keep, p_t, 0.0).to(do0.dtype)
     else:
         pc = p_t.to(do0.dtype)
@@ -1081,8 +1102,8 @@ def attention_bwd_dkdv_kernel(
             p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
             if DROPOUT:
-                keep = _dropout_keep(seed, b * Hq + h, start_m, start_n, offs_m[None, :],
-                                     offs_n[:, None], drop_thresh)
+                keep = _dropout_keep(seed, b * Hq + h, start_m, start_n, offs_m, offs_n,
+                                     drop_thresh, True)
                 dv += _dot(tl.where(keep, p_t, 0.0).to(do.dtype), do, PRECISION, UPCAST_DOT)
                 dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
             else:
@@ -1192,8 +1213,8 @@ def attention_bwd_dq_kernel(
         p = _probs(s, row_m[:, None], row_r[:, None], BIAS_KIND)
         dp = _dot(do, tl.trans(v), PRECISION, UPCAST_DOT)
         if DROPOUT:
-            dp = tl.where(_dropout_keep(seed, pid_bh, start_m, start_n, offs_m[:, None],
-                                        offs_n[None, :], drop_thresh), dp * inv_keep, 0.0)
+            dp = tl.where(_dropout_keep(seed, pid_bh, start_m, start_n, offs_m, offs_n, drop_thresh,
+                                        False), dp * inv_keep, 0.0)
         ds = p * (dp - delta[:, None])
         if NEED_DS:
             ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[:, None], offs_n[None, :],
@@ -1235,7 +1256,7 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def _block_d(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, _next_pow2(d))
 
 
 def _d_parts(d: int, split: bool) -> tuple[int, int]:
@@ -1498,12 +1519,14 @@ def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tenso
     if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != q.device:
         raise ValueError(f"dropout_seed must be one int64 on {q.device}, got {seed.dtype} "
                          f"{tuple(seed.shape)} on {seed.device}")
-    return seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), True
+    thresh = dropout_threshold(dropout_p)
+    return seed, thresh, 2**16 / (2**16 - thresh), True
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """A score is dropped iff its 31 random bits are below this (keep rate 1 - thresh / 2**31)."""
-    return min(int(dropout_p * 2**31), 2**31 - 1)
+    """A score is dropped iff its 16 random bits are below this: keep rate 1 - thresh / 2**16
+    (within 2**-16 of 1 - p; the kept weights are scaled by its exact inverse, so unbiased)."""
+    return min(int(dropout_p * 2**16), 2**16 - 1)
 
 
 def _bias_elt(bias_t, kind) -> int:
@@ -1624,7 +1647,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
                              ("v", *v.stride()[2:], bn, dv0 + dv1),
                              ("out", *out.stride()[2:], bm, dv0 + dv1), ("bias", *sb[2:], bm, bn)]
                             + _table_tiles(scq, sck, bm, bn, cos.shape[-1]))
-        grid = (triton.cdiv(Lq, bm) * B * Hq,)
+        grid = (_cdiv(Lq, bm) * B * Hq,)
         attention_fwd_kernel[grid](
             q, k, v, bias_t, out, lse, cos, sin,
             *q.stride(), *k.stride(), *v.stride(), *sb, *out.stride(), *lse.stride(), *scq, *sck,
@@ -1693,7 +1716,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     # fp32 dQ accumulator of the atomic path, zeroed by the preprocess kernel.
     dqa = _empty((B, Hq, Lq, D), torch.float32, dev) if not deterministic else delta
     pre_m = 64
-    attention_bwd_preprocess_kernel[(triton.cdiv(Lq, pre_m) * B * Hq,)](
+    attention_bwd_preprocess_kernel[(_cdiv(Lq, pre_m) * B * Hq,)](
         out, dout, lse, delta, row_m, row_r, q, k, bias_t, dqa, cos, sin,
         *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *sb, *scq, *sck,
         Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, ZERO_DQ=not deterministic, **common,
@@ -1706,7 +1729,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
 
     if not deterministic:
         def launch(cfg):
-            split = group_split or _group_split(B * Hkv * triton.cdiv(Lk, cfg.block_n), Hq // Hkv, dev)
+            split = group_split or _group_split(B * Hkv * _cdiv(Lk, cfg.block_n), Hq // Hkv, dev)
             if Hq // Hkv % split:
                 raise ValueError(f"group_split={split} does not divide the GQA group of {Hq // Hkv}")
             if split > 1:
@@ -1726,7 +1749,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                                  ("dout", *dout.stride()[2:], bm, dv0 + dv1),
                                  ("bias", *sb[2:], bm, bn), ("dbias", Lk, 1, bm, bn)]
                                 + _table_tiles(scq, sck, bm, bn, W))
-            attention_bwd_kernel[(triton.cdiv(Lk, bn) * B * Hkv * split,)](
+            attention_bwd_kernel[(_cdiv(Lk, bn) * B * Hkv * split,)](
                 q, k, v, bias_t, dout, dqa, dk_out, dv_out, ds_t, delta, row_m, row_r, cos, sin,
                 *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk_strides,
                 *dv_strides, *ds_strides, *scq, *sck,
@@ -1743,13 +1766,13 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         _launch(launch, cfg, user_given, "rope" if rc["ROT"] else None)
         if rc["ROT"]:
             cast_m = 32
-            attention_dq_rope_cast_kernel[(triton.cdiv(Lq, cast_m) * B * Hq,)](
+            attention_dq_rope_cast_kernel[(_cdiv(Lq, cast_m) * B * Hq,)](
                 dqa, dq, cos, sin, *dq.stride(), *scq, Hq, Lq, scale, D,
                 D0=one[0], D2=one[2], BLOCK_M=cast_m, **rc, num_warps=4)
         else:
             n = dq.numel()
-            attention_dq_cast_kernel[(triton.cdiv(n, 1024),)](dqa, dq, n, scale, BLOCK=1024,
-                                                              num_warps=4)
+            attention_dq_cast_kernel[(_cdiv(n, 1024),)](dqa, dq, n, scale, BLOCK=1024,
+                                                         num_warps=4)
         return dq, dk, dv, dbias
 
     bm, bn, bdv = cfg.block_m, cfg.block_n, _block_d(Dv)
@@ -1761,13 +1784,13 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                         + _table_tiles(scq, sck, bm, bn, W))
     consts = dict(common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DV=bdv, D0=one[0], D1=one[1], D2=one[2],
                   **rc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    attention_bwd_dkdv_kernel[(triton.cdiv(Lk, bn) * B * Hkv,)](
+    attention_bwd_dkdv_kernel[(_cdiv(Lk, bn) * B * Hkv,)](
         q, k, v, bias_t, dout, dk, dv, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk.stride(), *dv.stride(),
         *scq, *sck, Hq, Hkv, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,
         inv_keep, DROPOUT=dropout, **consts,
     )
-    attention_bwd_dq_kernel[(triton.cdiv(Lq, bm) * B * Hq,)](
+    attention_bwd_dq_kernel[(_cdiv(Lq, bm) * B * Hq,)](
         q, k, v, bias_t, dout, dq, ds_t, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dq.stride(), *ds_strides,
         *scq, *sck, Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,

@@ -83,6 +83,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host import cdiv, next_pow2
+
 __all__ = ["rotary_kernel", "rotary_forward", "rotary_qk_forward", "default_config"]
 
 
@@ -390,13 +392,13 @@ def default_config(head_dim: int, n_rows: int, *, n_heads: int = 1, n_pos: Optio
     A loop step moves a ``[BLOCK_ROWS, BLOCK_HEADS, next_pow2(D)]`` tile of ~2048 elements
     (2 x 8 heads x 128, 16 x 2 heads x 64), whole rows, the head loop software-pipelined 3 deep
     (cp.async).  Picked from H100 sweeps of benchmarks/rotary.py's shapes."""
-    block_d = triton.next_power_of_2(max(head_dim, 1))
+    block_d = next_pow2(max(head_dim, 1))
     if n_pos is None:
         n_pos = max(1, n_rows // max(n_heads, 1))
-    block_hh = min(8 if block_d >= 128 else 2, triton.next_power_of_2(max(n_heads, 1)))
+    block_hh = min(8 if block_d >= 128 else 2, next_pow2(max(n_heads, 1)))
     block_rows = max(1, 2048 // (block_d * block_hh))
     # Do not launch mostly-masked programs for tiny inputs (decode: a handful of positions).
-    block_rows = min(block_rows, triton.next_power_of_2(max(n_pos, 1)))
+    block_rows = min(block_rows, next_pow2(max(n_pos, 1)))
     elems = block_rows * block_hh * block_d
     num_warps = 4 if elems >= 2048 else (2 if elems >= 256 else 1)
     return {"BLOCK_ROWS": block_rows, "BLOCK_HEADS": block_hh, "num_warps": num_warps, "num_stages": 3}
@@ -521,24 +523,24 @@ def _launch(q, qcos, qsin, q_out, k, kcos, ksin, k_out, *, interleaved, rotary_d
     block_c, block_hh, hpp, num_warps, split, num_stages = _check_config(config)
 
     def blocks(side):
-        return triton.cdiv(side.n_pos, block_c) if side.n_pos else 0
+        return cdiv(side.n_pos, block_c) if side.n_pos else 0
 
     if hpp is None:
         # All heads in one program (tables read once per position) unless that leaves fewer
         # than ~4 programs per SM; then split the heads into chunks of whole loop steps.
         want = 4 * _sms(q.device)
         nb = blocks(qs) + (blocks(ks) if has_k and not same_pos else 0)
-        chunks = 1 if nb >= want else min(triton.cdiv(want, max(nb, 1)), triton.cdiv(heads, block_hh))
-        hpp = triton.cdiv(triton.cdiv(heads, chunks), block_hh) * block_hh
+        chunks = 1 if nb >= want else min(cdiv(want, max(nb, 1)), cdiv(heads, block_hh))
+        hpp = cdiv(cdiv(heads, chunks), block_hh) * block_hh
     hpp = max(1, min(hpp, max(heads, 1)))
     if same_pos:
-        q_chunks = triton.cdiv(heads, hpp)
+        q_chunks = cdiv(heads, hpp)
         k_chunks = 1
         q_programs = blocks(qs) * q_chunks
         grid = (q_programs,)
     else:
-        q_chunks = max(1, triton.cdiv(qs.n_heads, hpp))
-        k_chunks = max(1, triton.cdiv(ks.n_heads, hpp)) if has_k else 1
+        q_chunks = max(1, cdiv(qs.n_heads, hpp))
+        k_chunks = max(1, cdiv(ks.n_heads, hpp)) if has_k else 1
         q_programs = blocks(qs) * q_chunks if q_rows else 0
         k_programs = blocks(ks) * k_chunks if k_rows else 0
         grid = (q_programs + k_programs,)
@@ -562,13 +564,13 @@ def _launch(q, qcos, qsin, q_out, k, kcos, ksin, k_out, *, interleaved, rotary_d
         K_TABLE_PER_HEAD=(ks.table_per_head if has_k else False),
         BLOCK_C=block_c,
         BLOCK_HH=block_hh,
-        Q_BLOCK_D=triton.next_power_of_2(qs.head_dim),
-        K_BLOCK_D=triton.next_power_of_2(kd),
+        Q_BLOCK_D=next_pow2(qs.head_dim),
+        K_BLOCK_D=next_pow2(kd),
         SPLIT_HALVES=split,
         NUM_STAGES=num_stages,
-        BLOCK_H=triton.next_power_of_2(max(R // 2, 1)),
-        Q_BLOCK_T=triton.next_power_of_2(max(qs.head_dim - R, 1)),
-        K_BLOCK_T=triton.next_power_of_2(max(kd - R, 1)),
+        BLOCK_H=next_pow2(max(R // 2, 1)),
+        Q_BLOCK_T=next_pow2(max(qs.head_dim - R, 1)),
+        K_BLOCK_T=next_pow2(max(kd - R, 1)),
         num_warps=num_warps,
     )
 

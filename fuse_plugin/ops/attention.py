@@ -15,7 +15,8 @@ lse is not differentiable.
 
 Dropout: with dropout_p > 0 the attention weights are dropped with probability dropout_p and the
 kept ones scaled by 1/(1 - dropout_p), as `F.dropout` would do after the softmax (lse stays that
-of the undropped softmax). The mask is a pure function of `dropout_seed` (one int64 tensor on q's
+of the undropped softmax). The draw has 16 bits per weight, so the drop rate is dropout_p rounded
+down to a multiple of 2**-16 and the scale is the exact inverse of that keep rate (unbiased). The mask is a pure function of `dropout_seed` (one int64 tensor on q's
 device, from `new_dropout_seed`, i.e. from torch's RNG, so `torch.manual_seed` makes it
 repeatable): the backward redraws the same mask, and the CPU reference draws it bit for bit like
 the kernels (reference.dropout_keep). dropout_p > 0 without a seed is an error.

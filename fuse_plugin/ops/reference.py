@@ -75,40 +75,49 @@ def _mul32(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
     return high, low
 
 
-def philox_4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds: int = 10) -> Tensor:
-    """First output word of Philox-4x32-``rounds`` keyed by a 64-bit seed, for int64 counter
-    tensors holding 32-bit values: the bits ``tl.philox(seed, c0, c1, c2, c3)`` returns first."""
+def philox_4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds: int = 10) -> tuple:
+    """The four output words of Philox-4x32-``rounds`` keyed by a 64-bit seed, for int64 counter
+    tensors holding 32-bit values: what ``tl.philox(seed, c0, c1, c2, c3)`` returns."""
     k0, k1 = seed & _U32, (seed >> 32) & _U32
     for _ in range(rounds):
         hi_b, lo_b = _mul32(c2, _PHILOX_ROUND_B)
         hi_a, lo_a = _mul32(c0, _PHILOX_ROUND_A)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _PHILOX_KEY_A) & _U32, (k1 + _PHILOX_KEY_B) & _U32
-    return c0
+    return c0, c1, c2, c3
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """Scores whose 16 random bits are below this are dropped (keep rate 1 - thresh / 2**16)."""
+    return min(int(dropout_p * 2**16), 2**16 - 1)
 
 
 def dropout_keep(seed: int, shape: tuple[int, int, int, int], dropout_p: float, device=None) -> Tensor:
     """(B, Hq, Lq, Lk) bool keep-mask of the attention kernels' dropout (kernels/attention.py,
-    ``_dropout_keep``): Philox counter (key j, query i, b * Hq + h, 0); kept iff the top 31 bits
-    of the first word are >= floor(p * 2**31)."""
+    ``_dropout_keep``): keys 8g..8g+7 of query i of head bh = b * Hq + h share the Philox draw
+    with counter (g, i, bh, 0); key 8g + t takes word t // 2 (low 16 bits for even t) and is kept
+    iff those bits are >= floor(p * 2**16)."""
     b, hq, lq, lk = shape
     kw = dict(dtype=torch.int64, device=device)
-    j = torch.arange(lk, **kw).view(1, 1, 1, lk)
+    n_groups = (lk + 7) // 8
+    g = torch.arange(n_groups, **kw).view(1, 1, 1, n_groups)
     i = torch.arange(lq, **kw).view(1, 1, lq, 1)
     bh = torch.arange(b * hq, **kw).view(b, hq, 1, 1)
-    zero = torch.zeros(shape, **kw)
-    bits = philox_4x32(int(seed), j + zero, i + zero, bh + zero, zero)
-    return (bits >> 1) >= min(int(dropout_p * 2**31), 2**31 - 1)
+    zero = torch.zeros((b, hq, lq, n_groups), **kw)
+    words = torch.stack(philox_4x32(int(seed), g + zero, i + zero, bh + zero, zero), -1)  # (..., G, 4)
+    halves = torch.stack((words & 0xFFFF, words >> 16), -1).flatten(-3)  # (..., 8G): key 8g + t
+    return halves[..., :lk] >= dropout_threshold(dropout_p)
 
 
 def _dropped(x: Tensor, dropout_p: float, seed: Tensor | None, shape: tuple) -> Tensor:
-    """x (B, Hkv, G, Lq, Lk) with the dropout mask applied and kept entries scaled by 1/(1-p)."""
+    """x (B, Hkv, G, Lq, Lk) with the dropout mask applied and kept entries scaled by the inverse
+    of the exact keep rate (1/(1-p) to within 2**-16)."""
     if dropout_p == 0.0:
         return x
     if seed is None:
         raise ValueError("dropout_p > 0 needs a dropout_seed tensor")
     keep = dropout_keep(int(seed.reshape(()).item()), shape, dropout_p, x.device).view(x.shape)
-    return torch.where(keep, x * (1.0 / (1.0 - dropout_p)), 0.0)
+    return torch.where(keep, x * (2**16 / (2**16 - dropout_threshold(dropout_p))), 0.0)
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
