@@ -144,7 +144,7 @@ def test_rotary_matches_float64_eager(interleaved, width, rotary_dim):
     out = fuse_plugin.apply_rotary(x, cos, sin, interleaved=interleaved, rotary_dim=rotary_dim)
     leaves = [t.detach().double().requires_grad_() for t in (x, cos, sin)]
     ref = eager_rope(*leaves, interleaved=interleaved, rotary_dim=rd)
-    assert out.shape == x.shape and out.is_contiguous()
+    assert out.shape == x.shape and out.stride() == x.stride()  # x's layout, as eager's x * cos gives
     assert rel_err(out, ref) < 1e-6
     gout = torch.randn_like(out)
     for name, a, b in zip(("x", "cos", "sin"), torch.autograd.grad(out, (x, cos, sin), gout), torch.autograd.grad(ref, leaves, gout.double())):
@@ -282,3 +282,34 @@ def test_default_scale_is_inverse_sqrt_head_dim():
     assert rel_err(fuse_plugin.attention(q, k, v), eager_attention(q, k, v, scale=1 / math.sqrt(20))) < 1e-6
     sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
     assert rel_err(fuse_plugin.attention(q, k, v), sdpa) < 1e-5
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("layout", ["hf_transposed", "contiguous", "last_dim_strided", "sliced", "5d"])
+def test_rotary_output_layout(layout, kernels):
+    """The rotation's output keeps x's memory layout where x is dense with a unit last stride (HF's
+    transposed q/k: two sequential streams), else it is contiguous; the fake output has the same
+    strides (so compiled graphs see the real layout), and values equal the eager expression."""
+    from fuse_plugin.ops.rotary import output_like
+
+    base = torch.randn(2, 5, 3, 16)
+    x = {"hf_transposed": base.transpose(1, 2), "contiguous": base.contiguous(),
+         "last_dim_strided": base.transpose(-1, -2).contiguous().transpose(-1, -2), "sliced": torch.randn(2, 5, 3, 24)[..., :16],
+         "5d": base.view(2, 5, 3, 2, 8).transpose(1, 2)}[layout]
+    cos, sin = torch.randn(x.shape[-1]), torch.randn(x.shape[-1])
+    if kernels == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU Triton path needs the interpreter (conftest sets it where there is no GPU)")
+    with cpu_kernels(kernels):
+        out = OPS.rotary(x, cos, sin, False, x.shape[-1])
+    want = eager_rope(x, cos, sin, False, x.shape[-1])
+    assert rel_err(out, want) < 1e-6
+    if layout in ("hf_transposed", "contiguous"):
+        assert out.stride() == x.stride()
+    if layout in ("last_dim_strided", "5d"):
+        assert out.is_contiguous()
+    assert out.stride(-1) == 1
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        fake = OPS.rotary(mode.from_tensor(x), mode.from_tensor(cos), mode.from_tensor(sin), False, x.shape[-1])
+    assert fake.stride() == out.stride() and fake.shape == out.shape
+    assert output_like(x, torch.float32).stride() == out.stride()

@@ -12,7 +12,9 @@ Shapes and layouts
                expanded to 4-D (``.expand`` -> strides may be 0); lower-rank tables or size-1
                dims are also accepted here and broadcast through zero strides (nothing is ever
                materialised).
-output         a NEW contiguous ``(A, B, C, D)`` tensor of ``out_dtype``.
+output         ``(A, B, C, D)`` of ``out_dtype``, written through its strides (unit last stride):
+               a new contiguous tensor, or the ``out=`` given (the ops pass one in x's own
+               layout, so that the HF layout is read and written as sequential streams).
 
 Only the first ``R = rotary_dim`` channels are rotated; channels ``[R:]`` are copied through
 (cast to the output dtype).  All math is in fp32.
@@ -575,6 +577,14 @@ def _launch(q, qcos, qsin, q_out, k, kcos, ksin, k_out, *, interleaved, rotary_d
     )
 
 
+def _check_out(out: torch.Tensor, x: torch.Tensor, dtype: torch.dtype, name: str) -> None:
+    if out.shape != x.shape or out.dtype != dtype or out.device != x.device:
+        raise ValueError(f"rotary: {name} must be {tuple(x.shape)} {dtype} on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if x.shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"rotary: {name} must have a unit last-dim stride, got {out.stride()}")
+
+
 def rotary_forward(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -585,6 +595,7 @@ def rotary_forward(
     backward: bool = False,
     out_dtype: torch.dtype,
     config: Optional[dict] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Apply RoPE (or, with ``backward=True``, its transpose) to the first ``rotary_dim``
     channels of ``x``.
@@ -595,9 +606,13 @@ def rotary_forward(
     config:   optional ``{"BLOCK_ROWS": pow2, "BLOCK_HEADS": pow2, "HEADS_PER_PROGRAM": int,
               "num_warps": pow2}`` (missing keys: 1, all heads, 4) overriding
               :func:`default_config`.
-    Returns a new contiguous ``(A, B, C, D)`` tensor of ``out_dtype``.
+    out:      optional output ``(A, B, C, D)`` of ``out_dtype`` with a unit last stride, any other
+              strides (the ops pass one in x's own layout); default a new contiguous tensor.
+    Returns the output.
     """
-    out = torch.empty(tuple(x.shape), dtype=out_dtype, device=x.device)
+    if out is None:
+        out = torch.empty(tuple(x.shape), dtype=out_dtype, device=x.device)
+    _check_out(out, x, out_dtype, "out")
     _launch(x, cos, sin, out, None, None, None, None,
             interleaved=interleaved, rotary_dim=rotary_dim, backward=backward, config=config)
     return out
@@ -617,6 +632,8 @@ def rotary_qk_forward(
     q_out_dtype: torch.dtype,
     k_out_dtype: torch.dtype,
     config: Optional[dict] = None,
+    q_out: Optional[torch.Tensor] = None,
+    k_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on q and k in ONE kernel launch.
 
@@ -629,14 +646,19 @@ def rotary_qk_forward(
       * ``rotary_qk_forward(q, k, cos, sin, ...)``: one pair used for both; it must broadcast
         to both (size-1 or stride-0 dims, e.g. ``(B, 1, L, W)`` or a view expanded to q's
         head count, whose zero head stride serves k's head count too).
-    Returns ``(q_out, k_out)``, new contiguous tensors of ``q_out_dtype`` / ``k_out_dtype``.
+    Returns ``(q_out, k_out)`` of ``q_out_dtype`` / ``k_out_dtype``: the given outputs (unit last
+    stride, any other strides), else new contiguous tensors.
     """
     if (cos_k is None) != (sin_k is None):
         raise ValueError("rotary: pass both cos_k and sin_k, or neither")
     if cos_k is None:
         cos_k, sin_k = cos_q, sin_q
-    q_out = torch.empty(tuple(q.shape), dtype=q_out_dtype, device=q.device)
-    k_out = torch.empty(tuple(k.shape), dtype=k_out_dtype, device=k.device)
+    if q_out is None:
+        q_out = torch.empty(tuple(q.shape), dtype=q_out_dtype, device=q.device)
+    if k_out is None:
+        k_out = torch.empty(tuple(k.shape), dtype=k_out_dtype, device=k.device)
+    _check_out(q_out, q, q_out_dtype, "q_out")
+    _check_out(k_out, k, k_out_dtype, "k_out")
     _launch(q, cos_q, sin_q, q_out, k, cos_k, sin_k, k_out,
             interleaved=interleaved, rotary_dim=rotary_dim, backward=backward, config=config)
     return q_out, k_out

@@ -10,8 +10,10 @@ rotates the first `rotary_dim` (R, even) channels of x's last dim; channels [R:]
   interleaved=True:  adjacent pairs (2j, 2j + 1) — GPT-J `rotate_every_two`, Meta's complex rope.
 Per pair (a, b) with the cos/sin values (c1, s1) of its first and (c2, s2) of its second channel:
   out_a = a·c1 − b·s1,  out_b = b·c2 + a·s2       (the eager `x·cos + rotate_half(x)·sin`).
-Math in float32; the output is contiguous, in the dtype the eager expression gives
-(`promote_types(x, cos, sin)`). `rotary_qk` does q and k in one launch. Gradients flow to x and,
+Math in float32; the output has x's memory layout where x is dense with a unit last stride (the
+`(B, L, H, D)` memory of HF's `q.view(B, L, H, D).transpose(1, 2)`: read and written as two
+sequential streams, as Inductor lays out its fused rope), else it is contiguous (`output_like`);
+its dtype is the one the eager expression gives (`promote_types(x, cos, sin)`). `rotary_qk` does q and k in one launch. Gradients flow to x and,
 for learned frequencies, to cos/sin.
 """
 from __future__ import annotations
@@ -32,6 +34,17 @@ def out_dtype(x: Tensor, cos: Tensor, sin: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
 
+def output_like(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The output of rotating x (real and fake implementations alike): x's strides when x has at
+    most 4 dims, a unit last stride and is dense (`empty_like` keeps the strides of dense tensors),
+    else contiguous."""
+    if x.dim() <= 4:
+        out = torch.empty_like(x, dtype=dtype)
+        if x.dim() == 0 or out.stride(-1) == 1:
+            return out
+    return x.new_empty(x.shape, dtype=dtype)
+
+
 def _as_4d(t: Tensor) -> Tensor:
     """(..., D) → (A, B, C, D): pad leading dims with 1s, or merge the extra leading ones."""
     while t.dim() < 4:
@@ -48,27 +61,30 @@ def _tables_4d(x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: int, backward: bool, dtype: torch.dtype) -> Tensor:
+    out = output_like(x, dtype)
     if _dispatch.runs_triton(x, cos, sin):
         c4, s4 = _tables_4d(x, cos, sin)
-        out = _kernels().rotary_forward(
-            _as_4d(x), c4, s4, interleaved=interleaved, rotary_dim=rotary_dim, backward=backward, out_dtype=dtype
+        _kernels().rotary_forward(
+            _as_4d(x), c4, s4, interleaved=interleaved, rotary_dim=rotary_dim, backward=backward, out_dtype=dtype,
+            out=_as_4d(out),
         )
-        return out.view(x.shape)
-    return reference.rotary(x, cos, sin, interleaved, rotary_dim, backward=backward, out_dtype=dtype)
+        return out
+    return out.copy_(reference.rotary(x, cos, sin, interleaved, rotary_dim, backward=backward, out_dtype=dtype))
 
 
 def _rotate_qk(q, k, cos, sin, interleaved, rotary_dim, backward, q_dtype, k_dtype) -> tuple[Tensor, Tensor]:
+    qo, ko = output_like(q, q_dtype), output_like(k, k_dtype)
     if _dispatch.runs_triton(q, k, cos, sin):
         cq, sq = _tables_4d(q, cos, sin)
         ck, sk = _tables_4d(k, cos, sin)
-        qo, ko = _kernels().rotary_qk_forward(
+        _kernels().rotary_qk_forward(
             _as_4d(q), _as_4d(k), cq, sq, ck, sk, interleaved=interleaved, rotary_dim=rotary_dim,
-            backward=backward, q_out_dtype=q_dtype, k_out_dtype=k_dtype,
+            backward=backward, q_out_dtype=q_dtype, k_out_dtype=k_dtype, q_out=_as_4d(qo), k_out=_as_4d(ko),
         )
-        return qo.view(q.shape), ko.view(k.shape)
+        return qo, ko
     return (
-        reference.rotary(q, cos, sin, interleaved, rotary_dim, backward=backward, out_dtype=q_dtype),
-        reference.rotary(k, cos, sin, interleaved, rotary_dim, backward=backward, out_dtype=k_dtype),
+        qo.copy_(reference.rotary(q, cos, sin, interleaved, rotary_dim, backward=backward, out_dtype=q_dtype)),
+        ko.copy_(reference.rotary(k, cos, sin, interleaved, rotary_dim, backward=backward, out_dtype=k_dtype)),
     )
 
 
@@ -82,7 +98,7 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, rotary_dim: i
 
 @rotary.register_fake
 def _(x, cos, sin, interleaved, rotary_dim):
-    return x.new_empty(x.shape, dtype=out_dtype(x, cos, sin))
+    return output_like(x, out_dtype(x, cos, sin))
 
 
 @torch.library.custom_op("fuse_plugin::rotary_backward", mutates_args=())
@@ -93,7 +109,7 @@ def rotary_backward(grad: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, r
 
 @rotary_backward.register_fake
 def _(grad, cos, sin, interleaved, rotary_dim, x_dtype):
-    return grad.new_empty(grad.shape, dtype=x_dtype)
+    return output_like(grad, x_dtype)
 
 
 def _tables_need_grad(ctx) -> bool:
@@ -130,7 +146,7 @@ def rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool,
 
 @rotary_qk.register_fake
 def _(q, k, cos, sin, interleaved, rotary_dim):
-    return q.new_empty(q.shape, dtype=out_dtype(q, cos, sin)), k.new_empty(k.shape, dtype=out_dtype(k, cos, sin))
+    return output_like(q, out_dtype(q, cos, sin)), output_like(k, out_dtype(k, cos, sin))
 
 
 @torch.library.custom_op("fuse_plugin::rotary_qk_backward", mutates_args=())
@@ -143,7 +159,7 @@ def rotary_qk_backward(
 
 @rotary_qk_backward.register_fake
 def _(grad_q, grad_k, cos, sin, interleaved, rotary_dim, q_dtype, k_dtype):
-    return grad_q.new_empty(grad_q.shape, dtype=q_dtype), grad_k.new_empty(grad_k.shape, dtype=k_dtype)
+    return output_like(grad_q, q_dtype), output_like(grad_k, k_dtype)
 
 
 def _rotary_qk_setup_context(ctx, inputs, output):
