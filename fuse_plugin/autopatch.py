@@ -15,7 +15,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import fx
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass

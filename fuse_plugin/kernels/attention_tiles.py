@@ -1,0 +1,386 @@
+"""Device helpers shared by the attention kernels (attention_fwd.py, attention_bwd.py): tile loads
+and stores of head-dim parts, the rotary rotation of q/k tiles (rope folded into attention),
+score scaling and masking, the softmax recomputation of the backward and the dropout draw.
+Shapes, layouts and numerics: see the module docstring of kernels/attention.py."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+# Above this |lse| an fp32 lse is too coarse (ulp(1024) ~ 1.2e-4) to recompute p from it.
+_LSE_EXACT_LIMIT = tl.constexpr(1024.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Shared device helpers
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32-accumulating dot. UPCAST: Triton's CPU interpreter multiplies bf16 tensors as their raw
+    uint16 bits, so on the interpreter bf16 operands are widened first (bf16 products are exact
+    in fp32, so this matches the GPU up to summation order)."""
+    if UPCAST:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PRECISION)
+    return r
+
+
+@triton.jit
+def _dot_acc(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` as one accumulating dot (see ``_dot``)."""
+    if UPCAST:
+        r = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        r = tl.dot(a, b, acc, input_precision=PRECISION)
+    return r
+
+
+@triton.jit
+def _tile_ptrs_mask(base, row0, n_rows, stride_r, stride_c, N_COLS: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Pointers and in-range mask of rows [row0, row0 + BLOCK_R) x cols [0, BLOCK_C) of an
+    (n_rows, N_COLS) matrix. The row offset is taken in int64 (row0 * stride may pass 2**31);
+    the in-tile offsets are small enough for int32. The column mask is dropped at compile time
+    when the tile is as wide as the matrix (N_COLS == BLOCK_C)."""
+    r = tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    origin = tl.cast(row0, tl.int64) * stride_r
+    ptrs = base + origin + (r[:, None] * stride_r + c[None, :] * stride_c)
+    if N_COLS == BLOCK_C:
+        mask = (row0 + r)[:, None] < n_rows
+    else:
+        mask = ((row0 + r)[:, None] < n_rows) & (c[None, :] < N_COLS)
+    return ptrs, mask
+
+
+@triton.jit
+def _load_tile(base, row0, n_rows, N_COLS: tl.constexpr, stride_r, stride_c,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Tile of an (n_rows, N_COLS) matrix (see ``_tile_ptrs_mask``); out of range reads as 0."""
+    ptrs, mask = _tile_ptrs_mask(base, row0, n_rows, stride_r, stride_c, N_COLS, BLOCK_R, BLOCK_C)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_tile(base, value, row0, n_rows, N_COLS: tl.constexpr, stride_r, stride_c,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Inverse of ``_load_tile``: stores the in-range part of ``value``."""
+    ptrs, mask = _tile_ptrs_mask(base, row0, n_rows, stride_r, stride_c, N_COLS, BLOCK_R, BLOCK_C)
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_d(base, row0, n_rows, stride_r, stride_c, D: tl.constexpr, D0: tl.constexpr,
+            D1: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows [row0, row0 + BLOCK_R) of an (n_rows, D) matrix as the head-dim parts (t0, t1):
+    columns [0, D0) and [D0, D0 + D1). Without a split (D1 == 0) t1 is t0 (never used)."""
+    if D1 == 0:
+        t0 = _load_tile(base, row0, n_rows, D, stride_r, stride_c, BLOCK_R, D0)
+        t1 = t0
+    else:
+        t0 = _load_tile(base, row0, n_rows, D0, stride_r, stride_c, BLOCK_R, D0)
+        t1 = _load_tile(base + D0 * stride_c, row0, n_rows, D - D0, stride_r, stride_c,
+                        BLOCK_R, D1)
+    return t0, t1
+
+
+@triton.jit
+def _store_d(base, t0, t1, row0, n_rows, stride_r, stride_c, D: tl.constexpr, D0: tl.constexpr,
+             D1: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Inverse of ``_load_d``."""
+    if D1 == 0:
+        _store_tile(base, t0, row0, n_rows, D, stride_r, stride_c, BLOCK_R, D0)
+    else:
+        _store_tile(base, t0, row0, n_rows, D0, stride_r, stride_c, BLOCK_R, D0)
+        _store_tile(base + D0 * stride_c, t1, row0, n_rows, D - D0, stride_r, stride_c,
+                    BLOCK_R, D1)
+
+
+@triton.jit
+def _atomic_add_tile(base, value, row0, n_rows, N_COLS: tl.constexpr, stride_r,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """fp32 ``+=`` of ``value`` into rows [row0, ...) of a row-major (n_rows, N_COLS) buffer."""
+    ptrs, mask = _tile_ptrs_mask(base, row0, n_rows, stride_r, 1, N_COLS, BLOCK_R, BLOCK_C)
+    tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+
+
+# --------------------------------------------------------------------------------------------
+# q / k head-dim parts and the rotary embedding folded into their loads
+# --------------------------------------------------------------------------------------------
+# q and k tiles are handled as up to three column parts (t0, t1, t2) of widths (D0, D1, D2),
+# a width 0 meaning "absent" (the variable then aliases t0 and is never used):
+#   ROT == 0 (no rope): t0/t1 are ``_load_d``'s columns [0, D0) and [D0, D) (D1 = 0 without a
+#                       split, D2 = 0).
+#   ROT == R > 0:       t0/t1 are the first/second members of the R/2 rotated channel pairs
+#                       (half-split: channels [0, R/2) and [R/2, R); INTERLEAVED: the even and the
+#                       odd channels of [0, R), one contiguous load split in registers), both D0 = D1 =
+#                       max(16, next_pow2(R/2)) wide; t2 is the pass-through tail [R, D), D2 wide
+#                       (0 when R == D). Padding columns read as 0.
+# A dot over the head dim is the sum of the dots over the parts (``_dot_nt``), so the rotated
+# tiles never need to be put back in channel order. The rotation (``_rotate``) runs in fp32 on
+# the loaded tile with the cos/sin values of its rows and is rounded back to the input dtype,
+# as the unfused rotary op's output would be; gradients are rotated back by the transpose of
+# the rotation (``_store_grad``) before they are stored.
+# Tables: ``cos_base``/``sin_base`` point at the (batch, head) of the tile, rows are the tile's
+# sequence positions (stride_tr), columns (stride_tc) the W = R (full width: one value per
+# channel) or W = R/2 (HALF_TABLE: one value per pair) table entries.
+
+
+@triton.jit
+def _load_parts(base, row0, n_rows, stride_r, stride_c, D: tl.constexpr, D0: tl.constexpr,
+                D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+                INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Rows [row0, row0 + BLOCK_R) of an (n_rows, D) matrix as its head-dim parts (see above)."""
+    if ROT == 0:
+        t0, t1 = _load_d(base, row0, n_rows, stride_r, stride_c, D, D0, D1, BLOCK_R)
+        t2 = t0
+    else:
+        if INTERLEAVED:
+            # one contiguous (coalesced) load of the R rotated channels, split into even/odd
+            x = _load_tile(base, row0, n_rows, ROT, stride_r, stride_c, BLOCK_R, 2 * D0)
+            t0, t1 = tl.split(tl.reshape(x, [BLOCK_R, D0, 2]))
+        else:
+            t0 = _load_tile(base, row0, n_rows, ROT // 2, stride_r, stride_c, BLOCK_R, D0)
+            t1 = _load_tile(base + (ROT // 2) * stride_c, row0, n_rows, ROT // 2, stride_r,
+                            stride_c, BLOCK_R, D1)
+        if D2 != 0:
+            t2 = _load_tile(base + ROT * stride_c, row0, n_rows, D - ROT, stride_r, stride_c,
+                            BLOCK_R, D2)
+        else:
+            t2 = t0
+    return t0, t1, t2
+
+
+@triton.jit
+def _store_parts(base, t0, t1, t2, row0, n_rows, stride_r, stride_c, D: tl.constexpr,
+                 D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Inverse of ``_load_parts``."""
+    if ROT == 0:
+        _store_d(base, t0, t1, row0, n_rows, stride_r, stride_c, D, D0, D1, BLOCK_R)
+    else:
+        if INTERLEAVED:
+            x = tl.reshape(tl.join(t0, t1), [BLOCK_R, 2 * D0])
+            _store_tile(base, x, row0, n_rows, ROT, stride_r, stride_c, BLOCK_R, 2 * D0)
+        else:
+            _store_tile(base, t0, row0, n_rows, ROT // 2, stride_r, stride_c, BLOCK_R, D0)
+            _store_tile(base + (ROT // 2) * stride_c, t1, row0, n_rows, ROT // 2, stride_r,
+                        stride_c, BLOCK_R, D1)
+        if D2 != 0:
+            _store_tile(base + ROT * stride_c, t2, row0, n_rows, D - ROT, stride_r, stride_c,
+                        BLOCK_R, D2)
+
+
+@triton.jit
+def _load_cos_sin(cos_base, sin_base, row0, n_rows, stride_tr, stride_tc, ROT: tl.constexpr,
+                  INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_H: tl.constexpr):
+    """fp32 (c_a, s_a, c_b, s_b): the table values of the first and second pair members."""
+    if HALF_TABLE:
+        ca = _load_tile(cos_base, row0, n_rows, ROT // 2, stride_tr, stride_tc, BLOCK_R,
+                        BLOCK_H).to(tl.float32)
+        sa = _load_tile(sin_base, row0, n_rows, ROT // 2, stride_tr, stride_tc, BLOCK_R,
+                        BLOCK_H).to(tl.float32)
+        cb = ca
+        sb = sa
+    elif INTERLEAVED:
+        c = _load_tile(cos_base, row0, n_rows, ROT, stride_tr, stride_tc, BLOCK_R, 2 * BLOCK_H)
+        s = _load_tile(sin_base, row0, n_rows, ROT, stride_tr, stride_tc, BLOCK_R, 2 * BLOCK_H)
+        ca, cb = tl.split(tl.reshape(c.to(tl.float32), [BLOCK_R, BLOCK_H, 2]))
+        sa, sb = tl.split(tl.reshape(s.to(tl.float32), [BLOCK_R, BLOCK_H, 2]))
+    else:
+        ca = _load_tile(cos_base, row0, n_rows, ROT // 2, stride_tr, stride_tc, BLOCK_R,
+                        BLOCK_H).to(tl.float32)
+        sa = _load_tile(sin_base, row0, n_rows, ROT // 2, stride_tr, stride_tc, BLOCK_R,
+                        BLOCK_H).to(tl.float32)
+        cb = _load_tile(cos_base + (ROT // 2) * stride_tc, row0, n_rows, ROT // 2, stride_tr,
+                        stride_tc, BLOCK_R, BLOCK_H).to(tl.float32)
+        sb = _load_tile(sin_base + (ROT // 2) * stride_tc, row0, n_rows, ROT // 2, stride_tr,
+                        stride_tc, BLOCK_R, BLOCK_H).to(tl.float32)
+    return ca, sa, cb, sb
+
+
+@triton.jit
+def _rotate(xa, xb, ca, sa, cb, sb, TRANSPOSE: tl.constexpr):
+    """The rotation of the pairs (xa, xb) in fp32 (ops/reference.py ``rotary``):
+    forward a·c_a − b·s_a, b·c_b + a·s_b; TRANSPOSE (gradients) a·c_a + b·s_b, b·c_b − a·s_a."""
+    xa = xa.to(tl.float32)
+    xb = xb.to(tl.float32)
+    if TRANSPOSE:
+        ra = xa * ca + xb * sb
+        rb = xb * cb - xa * sa
+    else:
+        ra = xa * ca - xb * sa
+        rb = xb * cb + xa * sb
+    return ra, rb
+
+
+@triton.jit
+def _load_qk(base, row0, n_rows, stride_r, stride_c, cos_base, sin_base, stride_tr, stride_tc,
+             D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
+             ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
+             BLOCK_R: tl.constexpr):
+    """``_load_parts`` of a q or k tile, rotated (with ROT) in registers right after the load."""
+    t0, t1, t2 = _load_parts(base, row0, n_rows, stride_r, stride_c, D, D0, D1, D2, ROT,
+                             INTERLEAVED, BLOCK_R)
+    if ROT != 0:
+        ca, sa, cb, sb = _load_cos_sin(cos_base, sin_base, row0, n_rows, stride_tr, stride_tc,
+                                       ROT, INTERLEAVED, HALF_TABLE, BLOCK_R, D0)
+        r0, r1 = _rotate(t0, t1, ca, sa, cb, sb, False)
+        t0 = r0.to(base.dtype.element_ty)
+        t1 = r1.to(base.dtype.element_ty)
+    return t0, t1, t2
+
+
+@triton.jit
+def _store_grad(base, g0, g1, g2, row0, n_rows, stride_r, stride_c, cos_base, sin_base,
+                stride_tr, stride_tc, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                D2: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr,
+                HALF_TABLE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Stores the fp32 gradient parts of a q or k tile; with ROT they are gradients w.r.t. the
+    rotated tile and go through the transpose of the rotation first (gradient w.r.t. the input)."""
+    if ROT != 0:
+        ca, sa, cb, sb = _load_cos_sin(cos_base, sin_base, row0, n_rows, stride_tr, stride_tc,
+                                       ROT, INTERLEAVED, HALF_TABLE, BLOCK_R, D0)
+        r0, r1 = _rotate(g0, g1, ca, sa, cb, sb, True)
+        _store_parts(base, r0, r1, g2, row0, n_rows, stride_r, stride_c, D, D0, D1, D2, ROT,
+                     INTERLEAVED, BLOCK_R)
+    else:
+        _store_parts(base, g0, g1, g2, row0, n_rows, stride_r, stride_c, D, D0, D1, D2, ROT,
+                     INTERLEAVED, BLOCK_R)
+
+
+@triton.jit
+def _dot_nt(a0, a1, a2, b0, b1, b2, D1: tl.constexpr, D2: tl.constexpr,
+            PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a · bᵀ over the head dim: the sum of the dots of the parts."""
+    r = _dot(a0, tl.trans(b0), PRECISION, UPCAST)
+    if D1 != 0:
+        r = _dot_acc(a1, tl.trans(b1), r, PRECISION, UPCAST)
+    if D2 != 0:
+        r = _dot_acc(a2, tl.trans(b2), r, PRECISION, UPCAST)
+    return r
+
+
+@triton.jit
+def _atomic_add_dq(dq_base, ds, k0, k1, k2, row0, n_rows, D: tl.constexpr, D0: tl.constexpr,
+                   D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dQA += ds · k per part into the contiguous fp32 (n_rows, D) rows at ``dq_base``. With ROT
+    the buffer holds the parts side by side (columns [0, R/2), [R/2, R), [R, D), whatever the
+    pairing): ``attention_dq_rope_cast_kernel`` rotates them back into channel order."""
+    if ROT == 0:
+        if D1 == 0:
+            _atomic_add_tile(dq_base, _dot(ds, k0, PRECISION, UPCAST), row0, n_rows, D, D,
+                             BLOCK_R, D0)
+        else:
+            _atomic_add_tile(dq_base, _dot(ds, k0, PRECISION, UPCAST), row0, n_rows, D0, D,
+                             BLOCK_R, D0)
+            _atomic_add_tile(dq_base + D0, _dot(ds, k1, PRECISION, UPCAST), row0, n_rows,
+                             D - D0, D, BLOCK_R, D1)
+    else:
+        _atomic_add_tile(dq_base, _dot(ds, k0, PRECISION, UPCAST), row0, n_rows, ROT // 2, D,
+                         BLOCK_R, D0)
+        _atomic_add_tile(dq_base + ROT // 2, _dot(ds, k1, PRECISION, UPCAST), row0, n_rows,
+                         ROT // 2, D, BLOCK_R, D1)
+        if D2 != 0:
+            _atomic_add_tile(dq_base + ROT, _dot(ds, k2, PRECISION, UPCAST), row0, n_rows,
+                             D - ROT, D, BLOCK_R, D2)
+
+
+@triton.jit
+def _pair_ptrs(base, row0, col0, r, c, stride_r, stride_c):
+    """Pointers of a (query, key) tile: the tile origin in int64 (row0 * stride_r can pass
+    2**31 for a dense (Lq, Lk) matrix), the in-tile offsets ``r``/``c`` (broadcastable aranges)
+    in int32, which keeps per-element address math cheap."""
+    origin = tl.cast(row0, tl.int64) * stride_r + tl.cast(col0, tl.int64) * stride_c
+    return base + origin + (r * stride_r + c * stride_c)
+
+
+@triton.jit
+def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, score_scale,
+            IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr):
+    """Scale, bias and mask a tile of raw dot products ``qk``.
+
+    Query index = row0 + r, key index = col0 + c, with ``r``/``c`` aranges shaped to broadcast
+    against ``qk`` ((M, 1)/(1, N), or (1, M)/(N, 1) for the transposed tiles of the backward).
+    Units: natural log with a float bias (score_scale = scale), log2 otherwise
+    (score_scale = scale * log2(e)). Masked entries (bool False, and with MASK the padding keys
+    and the causally hidden ones) are -inf. MASK=False is for tiles known to be fully visible.
+    """
+    s = qk * score_scale
+    if BIAS_KIND != 0:
+        b_ptrs = _pair_ptrs(bias_base, row0, col0, r, c, stride_bm, stride_bn)
+        in_range = ((row0 + r) < Lq) & ((col0 + c) < Lk)
+        if BIAS_KIND == 2:
+            s += tl.load(b_ptrs, mask=in_range, other=0.0).to(tl.float32)
+        else:
+            s = tl.where(tl.load(b_ptrs, mask=in_range, other=0) != 0, s, float("-inf"))
+    if MASK:
+        cols = col0 + c
+        keep = cols < Lk
+        if IS_CAUSAL:
+            keep = keep & (cols <= row0 + r)
+        s = tl.where(keep, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _exp(x, NATURAL: tl.constexpr):
+    """exp of a score difference in the kernel's units (see ``_scores``)."""
+    if NATURAL:
+        r = tl.exp2(x * _LOG2E)
+    else:
+        r = tl.exp2(x)
+    return r
+
+
+@triton.jit
+def _probs(s, row_m, row_r, BIAS_KIND: tl.constexpr):
+    """Backward recomputation of the softmax from the preprocess statistics; ``row_m``/``row_r``
+    are already broadcast against ``s``. Dead rows have row_m = +inf, hence p = 0."""
+    if BIAS_KIND == 2:
+        p = tl.exp2((s - row_m) * _LOG2E - row_r)
+    else:
+        p = tl.exp2(s - row_m)
+    return p
+
+
+@triton.jit
+def _dropout_keep(seed, bh, row0, col0, offs_r, offs_c, drop_thresh, TRANSPOSED: tl.constexpr):
+    """Dropout keep-mask of the score tile of queries ``row0 + offs_r`` and keys ``col0 + offs_c``
+    of query head ``bh`` (= b * Hq + h): (queries, keys), or (keys, queries) with TRANSPOSED.
+
+    16 random bits per score, 8 scores per Philox-4x32-10 draw: keys 8g..8g+7 of query i share the
+    draw keyed by the 64-bit ``seed`` with counter (g, i, bh, 0); key 8g + t takes word t // 2,
+    its low half for even t, and is kept iff those 16 bits are >= ``drop_thresh``
+    (= floor(p * 2**16)). The mask depends on (seed, bh, i, j) alone, not on the tiling, so the
+    forward and both backward paths draw the same one, and ``reference.dropout_keep`` repeats it
+    bit for bit on the CPU. ``col0`` is a multiple of 8 (tiles are >= 16 wide)."""
+    BLOCK_R: tl.constexpr = offs_r.shape[0]
+    BLOCK_C: tl.constexpr = offs_c.shape[0]
+    rows = (row0 + offs_r)[:, None]
+    groups = (col0 // 8 + tl.arange(0, BLOCK_C // 8))[None, :]
+    zero = rows * 0 + groups * 0  # (BLOCK_R, BLOCK_C // 8)
+    w0, w1, w2, w3 = tl.philox(seed, groups + zero, rows + zero, zero + bh.to(tl.int32), zero)
+    m0 = ((w0 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m1 = ((w0 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m2 = ((w1 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m3 = ((w1 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m4 = ((w2 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m5 = ((w2 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m6 = ((w3 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
+    m7 = ((w3 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
+    # Interleave into key order 8g + t, t = 4a + 2w + u: each join appends a LAST axis, so join
+    # over the most significant digit first; the (g, a, w, u) row-major flatten is then 8g + t.
+    y0 = tl.join(tl.join(m0, m4), tl.join(m2, m6))  # u = 0: [..., a, w]
+    y1 = tl.join(tl.join(m1, m5), tl.join(m3, m7))  # u = 1
+    keep = tl.reshape(tl.join(y0, y1), [BLOCK_R, BLOCK_C]) != 0
+    if TRANSPOSED:
+        keep = tl.trans(keep)
+    return keep
