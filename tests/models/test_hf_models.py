@@ -1,7 +1,8 @@
 """HF transformers families, fused end to end (issue: eager HF attention and rotary, compiled).
 
-Tiny random-weight models built from configs (no downloads), `attn_implementation="eager"`, all
-dropout off (the kernels have none yet, and a random mask could not be compared anyway). For each
+Tiny random-weight models built from configs (no downloads), `attn_implementation="eager"`, dropout
+off in the parity tests (a random mask cannot be compared with eager's; one test trains Llama with
+attention dropout on and checks it is fused and repeatable under torch.manual_seed). For each
 family, compiled against eager:
 
 * counts: `counters["fuse_plugin"]` per compiled graph: every attention layer (T5: the encoder's
@@ -301,3 +302,27 @@ def test_decode_step_with_kv_cache():
         out = torch.compile(model, backend=counting)(**step, past_key_values=copy.deepcopy(prefill.past_key_values)).logits
     assert counting.graphs == [_expected(family, rope_attention=0)]
     assert rel_err(out, ref) <= LOGITS_TOL
+
+
+def test_attention_dropout_in_training_is_fused_and_repeatable():
+    """HF's `dropout(attn_weights, p=attention_dropout, training=True)` goes into the op (its seed
+    drawn in the graph from torch's RNG): every attention is still fused, the same
+    torch.manual_seed gives the same logits and gradients, another seed other ones."""
+    model = _model(transformers.LlamaForCausalLM,
+                   _decoder_config(transformers.LlamaConfig, num_key_value_heads=2, attention_dropout=0.3))
+    model.train()
+    kwargs = _inputs(BY_NAME["llama"], padding=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=rewrite_aot_eager)
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        logits = compiled(**kwargs).logits
+        grads = torch.autograd.grad(logits.float().square().mean(), [p for p in model.parameters()], allow_unused=True)
+        runs.append((logits.detach(), [g for g in grads if g is not None]))
+    assert counters["fuse_plugin"]["attention"] == 2 and counters["fuse_plugin"]["rotary"] == 4
+    assert torch.isfinite(runs[0][0]).all() and all(torch.isfinite(g).all() for g in runs[0][1])
+    assert torch.equal(runs[0][0], runs[1][0]) and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    assert not torch.equal(runs[0][0], runs[2][0])
+

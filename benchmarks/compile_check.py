@@ -1,0 +1,120 @@
+"""Compile the attention kernels for sm_90 on a machine WITHOUT a GPU (Triton's front end, the
+Hopper passes and ptxas), with the exact arguments our launchers pass.
+
+    python benchmarks/compile_check.py [--quick]
+
+Triton's interpreter (what CI runs) resolves names through Python and never lowers anything, so a
+kernel can pass every CPU test and still fail to compile (a name a moved helper no longer sees,
+a layout conversion the Hopper backend rejects, shared memory over the limit). This records the
+launches of representative calls (forward/backward, dropout, deterministic, rope, bias) with the
+kernels replaced by recorders, then compiles each distinct kernel specialisation for
+GPUTarget("cuda", 90). Uses Triton internals (ASTSource, GPUTarget) on purpose: a developer check
+before spending device time, not a test. A backward with dropout takes ~80 s to compile.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # real kernels, not the interpreter's
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import fuse_plugin.kernels.attention as A  # noqa: E402
+
+KERNELS = ["attention_fwd_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",
+           "attention_dq_cast_kernel", "attention_dq_rope_cast_kernel", "attention_bwd_dkdv_kernel",
+           "attention_bwd_dq_kernel"]
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+           torch.int64: "*i64", torch.uint8: "*u8"}
+
+
+class Recorder:
+    """Stands in for a kernel: records each launch's arguments instead of running it."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
+
+
+def record(quick: bool):
+    launches = []
+    for name in KERNELS:
+        setattr(A, name, Recorder(getattr(A, name), launches))
+    A._smem_limit = lambda device: None  # no device to ask
+    dt = torch.bfloat16
+    q = torch.randn(1, 4, 128, 128, dtype=dt)
+    k, v = torch.randn(1, 2, 128, 128, dtype=dt), torch.randn(1, 2, 128, 128, dtype=dt)
+    bias = torch.randn(1, 1, 128, 128, dtype=dt).expand(1, 4, 128, 128)
+    out, lse = A.attention_forward(q, k, v, None, is_causal=True, scale=0.1)
+    A.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.1, need_dbias=False)
+    if not quick:
+        seed = torch.tensor(1, dtype=torch.int64)
+        A.attention_forward(q, k, v, bias, is_causal=False, scale=0.1, dropout_p=0.1, dropout_seed=seed)
+        A.attention_backward(out, q, k, v, bias, out, lse, is_causal=False, scale=0.1, need_dbias=True,
+                             dropout_p=0.1, dropout_seed=seed)
+        A.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.1, need_dbias=False,
+                             deterministic=True)
+        rope = A.Rope(torch.randn(1, 1, 128, 64), torch.randn(1, 1, 128, 64), False, 128)
+        A.attention_forward(q, k, v, None, is_causal=True, scale=0.1, rope=rope)
+        A.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.1, need_dbias=False, rope=rope)
+    return launches
+
+
+def arg_type(a) -> str:
+    if isinstance(a, torch.Tensor):
+        return POINTER[a.dtype]
+    if isinstance(a, bool):
+        return "i1"
+    if isinstance(a, int):
+        return "i32" if -2**31 <= a < 2**31 else "i64"
+    if isinstance(a, float):
+        return "fp32"
+    raise TypeError(f"unexpected launch argument {a!r}")
+
+
+def compile_launch(kernel, args, kwargs):
+    signature, constexprs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        value = args[i] if i < len(args) else kwargs[name]
+        if i >= len(args) or kernel.params[i].is_constexpr or value is None:
+            signature[name], constexprs[(i,)] = "constexpr", value
+        else:
+            signature[name] = arg_type(value)
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="plain forward/backward only")
+    args = parser.parse_args()
+    seen, ok = set(), True
+    for kernel, a, kw in record(args.quick):
+        key = (kernel.__name__, tuple(sorted((k, repr(v)) for k, v in kw.items())),
+               tuple(arg_type(x) if not isinstance(x, (int, float)) or isinstance(x, bool) else type(x).__name__ for x in a))
+        if key in seen:
+            continue
+        seen.add(key)
+        t0 = time.time()
+        try:
+            c = compile_launch(kernel, a, kw)
+            print(f"{kernel.__name__:32} ok   {time.time() - t0:6.1f} s  {c.metadata.shared:7d} B smem  "
+                  f"{kw.get('num_warps')}w/{kw.get('num_stages')}s", flush=True)
+        except Exception as e:  # report and go on
+            ok = False
+            print(f"{kernel.__name__:32} FAIL {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)
+    print(f"compile_check: {'PASS' if ok else 'FAIL'} ({len(seen)} specialisations, sm_90, triton {triton.__version__})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
