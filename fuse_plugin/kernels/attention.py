@@ -101,6 +101,7 @@ from .attention_bwd import (
 )
 from .attention_fwd import attention_fwd_kernel
 from .host import cdiv as _cdiv
+from .host import dropout_scale, dropout_threshold
 from .host import next_pow2 as _next_pow2
 
 __all__ = ["AttentionConfig", "Rope", "attention_forward", "attention_backward"]
@@ -398,14 +399,7 @@ def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tenso
     if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != q.device:
         raise ValueError(f"dropout_seed must be one int64 on {q.device}, got {seed.dtype} "
                          f"{tuple(seed.shape)} on {seed.device}")
-    thresh = dropout_threshold(dropout_p)
-    return seed, thresh, 2**16 / (2**16 - thresh), True
-
-
-def dropout_threshold(dropout_p: float) -> int:
-    """A score is dropped iff its 16 random bits are below this: keep rate 1 - thresh / 2**16
-    (within 2**-16 of 1 - p; the kept weights are scaled by its exact inverse, so unbiased)."""
-    return min(int(dropout_p * 2**16), 2**16 - 1)
+    return seed, dropout_threshold(dropout_p), dropout_scale(dropout_p), True
 
 
 def _bias_elt(bias_t, kind) -> int:

@@ -1,4 +1,5 @@
-"""Host-side integer helpers for the launchers.
+"""Host-side integer helpers for the launchers, and the dropout draw's threshold and scale (shared
+by the kernels' launcher and the CPU reference, which must agree bit for bit).
 
 triton.cdiv / triton.next_power_of_2 are constexpr functions in Triton >= 3.4: called from Python
 they cost microseconds each (argument unwrapping), and an attention call made a dozen of them
@@ -14,3 +15,14 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of 2 >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """A weight whose 16 random bits are below this is dropped (keep rate 1 - thresh / 2**16,
+    within 2**-16 of 1 - p)."""
+    return min(int(dropout_p * 2**16), 2**16 - 1)
+
+
+def dropout_scale(dropout_p: float) -> float:
+    """What kept weights are multiplied by: the exact inverse of the 16-bit keep rate (unbiased)."""
+    return 2**16 / (2**16 - dropout_threshold(dropout_p))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.host import dropout_scale, dropout_threshold  # pure Python: imports no Triton
+
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     """float64 if any input is float64, else float32."""
@@ -87,11 +89,6 @@ def philox_4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, round
     return c0, c1, c2, c3
 
 
-def dropout_threshold(dropout_p: float) -> int:
-    """Scores whose 16 random bits are below this are dropped (keep rate 1 - thresh / 2**16)."""
-    return min(int(dropout_p * 2**16), 2**16 - 1)
-
-
 def dropout_keep(seed: int, shape: tuple[int, int, int, int], dropout_p: float, device=None) -> Tensor:
     """(B, Hq, Lq, Lk) bool keep-mask of the attention kernels' dropout (kernels/attention.py,
     ``_dropout_keep``): keys 8g..8g+7 of query i of head bh = b * Hq + h share the Philox draw
@@ -117,7 +114,7 @@ def _dropped(x: Tensor, dropout_p: float, seed: Tensor | None, shape: tuple) -> 
     if seed is None:
         raise ValueError("dropout_p > 0 needs a dropout_seed tensor")
     keep = dropout_keep(int(seed.reshape(()).item()), shape, dropout_p, x.device).view(x.shape)
-    return torch.where(keep, x * (2**16 / (2**16 - dropout_threshold(dropout_p))), 0.0)
+    return torch.where(keep, x * dropout_scale(dropout_p), 0.0)
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
