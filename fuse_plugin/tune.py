@@ -8,7 +8,9 @@ sets of other GPU names already in that file. Steps:
 
 1. Candidates: for every tuned group (kernel, dtype, head-dim bucket, causal, mask kind) a small
    hand-picked set of (block_m, block_n, num_warps, num_stages, split_d), pruned by an estimate
-   of shared memory against the GPU's limit.
+   of shared memory against the GPU's limit. The no-mask fp16/bf16 forward groups of head dims
+   64 and 128 also try the Hopper TMA kernel's tiles (``TMA_FWD_CANDIDATES``; written as
+   entries ending in ``"tma"``).
 2. Compile + validate, in parallel worker processes (each a fresh CUDA context, so a crash costs
    one candidate): every candidate runs forward or backward on odd lengths (397 x 397, GQA 4/2)
    and is compared with a float64 golden; it also runs once on a small aligned shape so that the
@@ -61,6 +63,10 @@ FWD_CANDIDATES = {
     "d256": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 1),
              (64, 32, 4, 3), (128, 32, 8, 2)],
 }
+# The Hopper TMA forward (AttentionConfig.tma; no mask, fp16/bf16, D 64 or 128), candidates for
+# the fwd groups it covers, timed against the general kernel's (H100 sweeps, NOTES.md stop 9).
+TMA_FWD_CANDIDATES = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+                      (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 4, 3)]
 BWD_CANDIDATES = {
     "small": [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (16, 128, 8, 2),
               (32, 128, 8, 3), (64, 128, 8, 1), (64, 64, 4, 2)],
@@ -96,6 +102,11 @@ def candidates(kernel: str, dbucket: int, mask: str, smem_limit: int) -> list[tu
     for split in splits:
         for bm, bn, w, s in base:
             cfg = A.AttentionConfig(bm, bn, w, s, split)
+            if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+                out.append(tuple(cfg))
+    if kernel == "fwd" and mask == "none" and d in A._TMA_HEAD_DIMS:
+        for bm, bn, w, s in TMA_FWD_CANDIDATES:
+            cfg = A.AttentionConfig(bm, bn, w, s, False, True)
             if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
     return out
@@ -488,7 +499,7 @@ def tune(args) -> int:
         ms, cfg = min(rows)
         kernel, db, causal, mask = grp
         key = tuning.make_key(kernel, TUNE_DTYPE, db, causal, mask, L)
-        entries[key] = [*cfg[:4], int(cfg[4]), "tuned"]
+        entries[key] = [*cfg[:4], int(cfg[4]), "tuned"] + (["tma"] if cfg[5] else [])
         shp = _timing_shape(db, L)
         summary.append((key, cfg, ms, _flops(kernel, shp["B"], shp["H"], L, shp["D"], causal)
                         / ms / 1e9))
@@ -506,10 +517,11 @@ def tune(args) -> int:
     print(f"\nwrote {out_path} ({len(table_entries)} entries, "
           f"{sum(1 for e in table_entries.values() if e[5] == 'tuned')} tuned) "
           f"in {time.time() - t0:.0f} s\n", flush=True)
-    print("| key | block_m block_n warps stages split | ms | TFLOP/s |")
+    print("| key | block_m block_n warps stages split kernel | ms | TFLOP/s |")
     print("|---|---|---|---|")
     for key, cfg, ms, tf in sorted(summary):
-        print(f"| {key} | {cfg[0]} {cfg[1]} {cfg[2]} {cfg[3]} {int(cfg[4])} | {ms:.3f} | {tf:.0f} |")
+        print(f"| {key} | {cfg[0]} {cfg[1]} {cfg[2]} {cfg[3]} {int(cfg[4])} "
+              f"{'tma' if cfg[5] else 'general'} | {ms:.3f} | {tf:.0f} |")
     if log:
         log.close()
     return 0
@@ -555,12 +567,14 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
     for key in tuning.all_keys():
         p = tuning.parse_key(key)
         got = resolved(key)
+        if got is not None and len(got[0]) == 7 and not tuning.tma_key(key):
+            got = None  # a TMA-kernel entry cannot serve a key that kernel does not cover
         d = REPRESENTATIVE_D[p["dbucket"]]
         bias_elt = {"none": 0, "bool": 1, "float": 4}[p["mask"]]
         elt = 4 if p["dtype"] == "fp32" else 2
         if got is not None:
             entry, src = got
-            cfg = A.AttentionConfig(*entry[:4], bool(entry[4]))
+            cfg = A.AttentionConfig(*entry[:4], bool(entry[4]), len(entry) == 7)
             src = "tuned" if src == key else f"from:{src}"
         else:
             dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[p["dtype"]]
@@ -571,7 +585,7 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
         while src != "tuned" and cfg.num_stages > 1 and \
                 A._smem_estimate(p["kernel"], cfg, d, d, elt, bias_elt) > smem_limit:
             cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-        out[key] = [*cfg[:4], int(cfg.split_d), src]
+        out[key] = [*cfg[:4], int(cfg.split_d), src] + (["tma"] if cfg.tma else [])
     return out
 
 

@@ -377,3 +377,63 @@ def test_out_of_resources_falls_back(monkeypatch):
         assert attn._launch(launch2, fits_with_two, user_given=False) == "ok"
     assert seen[-1] == fits_with_two._replace(num_stages=2)
 
+
+
+# The Hopper TMA forward (kernels/attention_fwd_tma.py; `AttentionConfig.tma`). On the CPU its
+# tensor-descriptor loads run in Triton's interpreter; the backward of each case runs on its
+# out/lse (the backward ignores `tma`).
+TMA_CASES = {
+    # GQA, causal, partial last blocks, HF's transposed (B, L, H, D) layout.
+    "bf16-d64-gqa-causal-transposed": dict(
+        dtype=torch.bfloat16, B=1, Hq=4, Hkv=2, Lq=70, Lk=70, D=64, Dv=64, causal=True,
+        bias=None, transposed=True, config=(32, 16, 4, 1, False, True)),
+    # Full attention, Lq < Lk, MQA, D 128.
+    "fp16-d128-mqa-full-lq-lt-lk": dict(
+        dtype=torch.float16, B=2, Hq=2, Hkv=1, Lq=17, Lk=40, D=128, Dv=128, causal=False,
+        bias=None, config=(16, 16, 4, 1, False, True)),
+    # Causal with Lq > Lk: rows past the last key see every key (top-left alignment).
+    "bf16-d128-causal-lq-gt-lk": dict(
+        dtype=torch.bfloat16, B=1, Hq=2, Hkv=2, Lq=40, Lk=17, D=128, Dv=128, causal=True,
+        bias=None, config=(16, 32, 4, 1, False, True)),
+    # One query, one key.
+    "fp16-d64-single": dict(
+        dtype=torch.float16, B=2, Hq=2, Hkv=1, Lq=1, Lk=1, D=64, Dv=64, causal=True,
+        bias=None, config=(16, 16, 4, 1, False, True)),
+}
+
+
+@pytest.mark.parametrize("case", list(TMA_CASES.values()), ids=list(TMA_CASES))
+def test_tma_forward_matches_reference(monkeypatch, case):
+    ran = []
+    real = attn._launch_fwd_tma
+    monkeypatch.setattr(attn, "_launch_fwd_tma", lambda *a: ran.append(1) or real(*a))
+    run_case(**case)
+    assert ran, "the TMA forward kernel did not run"
+
+
+def test_tma_forward_refuses_what_it_does_not_cover(monkeypatch):
+    """A user-given TMA config on a problem the kernel does not cover is an error naming why;
+    a table TMA entry on such a problem falls back to the general kernel (still correct)."""
+    torch.manual_seed(0)
+    tma = attn.AttentionConfig(16, 16, 4, 1, False, True)
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 64, 64, torch.float16, False)
+    bias = torch.zeros(1, 2, 20, 20, device=DEVICE, dtype=torch.float16)
+    for args, match in (
+            (dict(bias=bias), "no bias, dropout or rope"),
+            (dict(q=q.float(), k=k.float(), v=v.float()), "fp16/bf16"),
+            (dict(scale=-0.5), "positive scale"),
+            (dict(q=q[..., :48], k=k[..., :48], v=v[..., :48]), "D == Dv in"),
+            # one element off a 16-byte boundary
+            (dict(q=torch.randn(1 * 2 * 20 * 64 + 1, device=DEVICE).half()[1:].view(1, 2, 20, 64)),
+             "16-byte"),
+    ):
+        call = dict(q=q, k=k, v=v, bias=None, scale=0.125) | args
+        with pytest.raises(ValueError, match=match):
+            attn.attention_forward(call["q"], call["k"], call["v"], call["bias"], is_causal=False,
+                                   scale=call["scale"], config=tma)
+    # Table path: the entry says TMA, the problem has a bias -> general kernel, right answer.
+    monkeypatch.setattr(attn, "_pick_config", lambda *a: tma)
+    monkeypatch.setattr(attn, "_launch_fwd_tma", lambda *a: pytest.fail("TMA kernel launched"))
+    out, _ = attn.attention_forward(q, k, v, bias, is_causal=True, scale=0.125)
+    ref, _ = reference(q.double(), k.double(), v.double(), bias.double(), True, 0.125)
+    assert rel_err(out, ref) < 1e-2

@@ -44,8 +44,11 @@ def test_entries_well_formed(table):
         for key, entry in entries.items():
             cfg = tuning.entry_to_config(entry)
             assert cfg is not None, (key, entry)
-            assert len(entry) == 6 and entry[4] in (0, 1), (key, entry)
-            bm, bn, w, s, split = cfg
+            assert len(entry) in (6, 7) and entry[4] in (0, 1), (key, entry)
+            bm, bn, w, s, split, tma = cfg
+            # a TMA-kernel entry only where that kernel covers the problems (else it would
+            # fall back to heuristic tiles at every call)
+            assert not tma or tuning.tma_key(key), (key, entry)
             assert bm <= 128 and bn <= 128 and w in (4, 8) and 1 <= s <= 5, (key, entry)
             src = entry[5]
             assert src in ("tuned", "heuristic") or src.startswith("from:"), (key, src)

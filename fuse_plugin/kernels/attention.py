@@ -83,6 +83,7 @@ through their strides (stride 0 where broadcast); W = R or R/2 (one value per pa
 """
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import NamedTuple, Optional
 
@@ -100,6 +101,7 @@ from .attention_bwd import (
     attention_bwd_dq_kernel,
 )
 from .attention_fwd import attention_fwd_kernel
+from .attention_fwd_tma import attention_fwd_tma_kernel
 from .host import cdiv as _cdiv
 from .host import dropout_scale, dropout_threshold
 from .host import next_pow2 as _next_pow2
@@ -116,13 +118,17 @@ class AttentionConfig(NamedTuple):
     Forward: ``block_m`` query rows per program, ``block_n`` keys per loop step. Backward
     (default, atomic path): ``block_n`` keys per program (dK/dV stay in registers), ``block_m``
     queries per loop step; the deterministic backward reads them the same way in both kernels.
-    ``split_d``: compute a non-power-of-2 head dim as two power-of-2 parts (see module doc)."""
+    ``split_d``: compute a non-power-of-2 head dim as two power-of-2 parts (see module doc).
+    ``tma`` (forward only): run the Hopper TMA kernel (attention_fwd_tma.py) when the problem is
+    one it covers (``_tma_eligible``); a table entry falls back to the general kernel's heuristic
+    tiles otherwise, a user-given config raises."""
 
     block_m: int  # query rows per tile (power of 2, >= 16)
     block_n: int  # key rows per tile (power of 2, >= 16)
     num_warps: int
     num_stages: int
     split_d: bool = False
+    tma: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,6 +239,8 @@ def _smem_estimate(kernel: str, cfg: AttentionConfig, D: int, Dv: int, elt: int,
     if kernel == "fwd":
         resident = bm * dp * elt
         streamed = bn * (dp + dvp) * elt + bm * bn * bias_elt
+        if cfg.tma:  # TMA copies land in shared memory; P stays in registers (+ barriers)
+            return resident + st * streamed + 1024
         return resident + st * streamed + bm * bn * elt
     resident = bn * (dp + dvp) * elt
     streamed = bm * (dp + dvp) * elt + bm * bn * bias_elt + 8 * bm
@@ -486,6 +494,64 @@ def _table_tiles(scq, sck, bm, bn, W):
     return [("cos/sin (q)", scq[2], scq[3], bm, W), ("cos/sin (k)", sck[2], sck[3], bn, W)]
 
 
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
+_TMA_HEAD_DIMS = (64, 128)
+
+
+def _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv) -> Optional[str]:
+    """None when the TMA forward covers this problem, else why not (attention_fwd_tma.py)."""
+    if kind != _NO_BIAS or dropout or rope_consts["ROT"]:
+        return "it takes no bias, dropout or rope"
+    if D != Dv or D not in _TMA_HEAD_DIMS:
+        return f"it needs D == Dv in {_TMA_HEAD_DIMS}, got D={D}, Dv={Dv}"
+    if q.dtype not in _TMA_DTYPES or not (scale > 0):
+        return f"it needs fp16/bf16 and a positive scale, got {q.dtype}, scale={scale}"
+    if q.is_cuda and _capability(q.device)[0] < 9:
+        return "TMA needs compute capability 9.0 or newer"
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        # TMA: 16-byte aligned base and strides (the head-dim stride is 1, see _unit_last_stride)
+        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:3]):
+            return f"{name}'s address or strides {t.stride()} are not 16-byte multiples"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_tma_allocator() -> None:
+    """Device-side tensor descriptors need Triton's launch-time scratch allocator. Install a
+    torch one in the current context unless the user set their own (it is a ContextVar, so
+    other threads, e.g. autograd's, start without it: checked at every launch)."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_scratch)
+
+
+def _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, cfg):
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    if q.is_cuda:
+        _ensure_tma_allocator()
+    grid = (_cdiv(Lq, cfg.block_m) * B * Hq,)
+    attention_fwd_tma_kernel[grid](
+        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        *lse.stride()[:2], Hq, Hq // Hkv, Lq, Lk, scale * 1.4426950408889634,
+        D=D, IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
                       config: Optional[AttentionConfig] = None, rope: Optional[Rope] = None,
                       dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None):
@@ -509,6 +575,16 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     cfg = AttentionConfig(*config) if user_given else _rope_adjust("fwd", _pick_config(
         "fwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind)), q.dtype, rc)
     _check_config(cfg)
+    if cfg.tma:
+        why_not = _tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv)
+        if why_not is None:
+            _launch(lambda c: _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, c), cfg,
+                    user_given, "tma")
+            return out, lse
+        if user_given:
+            raise ValueError(f"config {cfg} asks for the TMA forward kernel, but {why_not}")
+        cfg = _fit_smem("fwd", _forward_config(D, Dv, q.dtype), D, Dv, q.element_size(), 0,
+                        q.device)
 
     def launch(cfg):
         d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)

@@ -18,7 +18,9 @@ Keys (``make_key``)::
   longer sequences.
 
 An entry is ``[block_m, block_n, num_warps, num_stages, split_d, source]`` where source says how
-it was obtained (``tuned``, ``from:<key>`` for a copy of a tuned sibling, ``heuristic``).
+it was obtained (``tuned``, ``from:<key>`` for a copy of a tuned sibling, ``heuristic``),
+optionally followed by ``"tma"``: a forward entry that runs the Hopper TMA kernel
+(``AttentionConfig.tma``; only on keys that kernel covers: no mask, fp16/bf16, d64/d128).
 Set ``FUSE_PLUGIN_ATTENTION_TABLE`` to a JSON path to use another table file, or to ``off`` to
 use the heuristic tiles only.
 """
@@ -89,7 +91,8 @@ def load_table(path) -> Optional[dict]:
 
 
 def entry_to_config(entry) -> Optional[tuple]:
-    """(block_m, block_n, num_warps, num_stages, split_d) of a well-formed entry, else None."""
+    """(block_m, block_n, num_warps, num_stages, split_d, tma) of a well-formed entry, else
+    None."""
     try:
         bm, bn, w, s, split = (int(x) for x in entry[:5])
     except (TypeError, ValueError, IndexError):
@@ -97,7 +100,16 @@ def entry_to_config(entry) -> Optional[tuple]:
     pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731
     if not (pow2(bm) and pow2(bn) and w in (1, 2, 4, 8, 16) and s >= 1):
         return None
-    return bm, bn, w, s, bool(split)
+    if len(entry) > 7 or (len(entry) == 7 and entry[6] != "tma"):
+        return None
+    return bm, bn, w, s, bool(split), len(entry) == 7
+
+
+def tma_key(key: str) -> bool:
+    """Whether the TMA forward kernel covers a key's problems (see attention._tma_ineligible)."""
+    p = parse_key(key)
+    return (p["kernel"] == "fwd" and p["dtype"] in ("fp16", "bf16") and p["mask"] == "none"
+            and p["dbucket"] in (64, 128))
 
 
 def select_gpu(table: dict, name: str) -> Optional[dict]:
