@@ -27,7 +27,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import fuse_plugin.kernels.attention as A  # noqa: E402
 
-KERNELS = ["attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",
+KERNELS = ["attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_tma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",
            "attention_dq_cast_kernel", "attention_dq_rope_cast_kernel", "attention_bwd_dkdv_kernel",
            "attention_bwd_dq_kernel"]
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
@@ -51,7 +51,7 @@ def record(quick: bool):
     A._smem_limit = lambda device: None  # no device to ask
     # The tensors here are CPU tensors; compile what a CUDA launch would: no interpreter upcast
     # of bf16 dots (fp16/bf16 dots ignore the precision argument).
-    A._upcast_dot = lambda t: False
+    A._interpreted = lambda t: False
     dt = torch.bfloat16
     q = torch.randn(1, 4, 128, 128, dtype=dt)
     k, v = torch.randn(1, 2, 128, 128, dtype=dt), torch.randn(1, 2, 128, 128, dtype=dt)
@@ -60,6 +60,9 @@ def record(quick: bool):
     for causal, tile in ((True, (128, 64, 4, 2)), (False, (64, 128, 4, 2))):  # the TMA forward
         A.attention_forward(q, k, v, None, is_causal=causal, scale=0.1,
                             config=A.AttentionConfig(*tile, False, True))
+    for causal, tile in ((True, (64, 128, 8, 2)), (False, (64, 64, 4, 2))):  # the TMA backward
+        A.attention_backward(out, q, k, v, None, out, lse, is_causal=causal, scale=0.1,
+                             need_dbias=False, config=A.AttentionConfig(*tile, False, True))
     A.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.1, need_dbias=False)
     if not quick:
         seed = torch.tensor(1, dtype=torch.int64)

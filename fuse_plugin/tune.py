@@ -8,9 +8,9 @@ sets of other GPU names already in that file. Steps:
 
 1. Candidates: for every tuned group (kernel, dtype, head-dim bucket, causal, mask kind) a small
    hand-picked set of (block_m, block_n, num_warps, num_stages, split_d), pruned by an estimate
-   of shared memory against the GPU's limit. The no-mask fp16/bf16 forward groups of head dims
-   64 and 128 also try the Hopper TMA kernel's tiles (``TMA_FWD_CANDIDATES``; written as
-   entries ending in ``"tma"``).
+   of shared memory against the GPU's limit. The no-mask fp16/bf16 groups of head dims 64 and
+   128 also try the Hopper TMA kernels' tiles (``TMA_CANDIDATES``; written as entries ending in
+   ``"tma"``).
 2. Compile + validate, in parallel worker processes (each a fresh CUDA context, so a crash costs
    one candidate): every candidate runs forward or backward on odd lengths (397 x 397, GQA 4/2)
    and is compared with a float64 golden; it also runs once on a small aligned shape so that the
@@ -63,10 +63,14 @@ FWD_CANDIDATES = {
     "d256": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 1),
              (64, 32, 4, 3), (128, 32, 8, 2)],
 }
-# The Hopper TMA forward (AttentionConfig.tma; no mask, fp16/bf16, D 64 or 128), candidates for
-# the fwd groups it covers, timed against the general kernel's (H100 sweeps, NOTES.md stop 9).
-TMA_FWD_CANDIDATES = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2),
-                      (64, 64, 4, 3), (64, 128, 4, 2), (128, 128, 4, 3)]
+# The Hopper TMA kernels (AttentionConfig.tma; no mask, fp16/bf16, D 64 or 128), candidates for
+# the groups they cover, timed against the general kernels' (H100 sweeps, NOTES.md stop 9).
+TMA_CANDIDATES = {
+    "fwd": [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+            (64, 128, 4, 2), (128, 128, 4, 3)],
+    "bwd": [(64, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 2), (64, 64, 4, 3), (64, 64, 4, 2),
+            (32, 128, 8, 2)],
+}
 BWD_CANDIDATES = {
     "small": [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (16, 128, 8, 2),
               (32, 128, 8, 3), (64, 128, 8, 1), (64, 64, 4, 2)],
@@ -104,8 +108,8 @@ def candidates(kernel: str, dbucket: int, mask: str, smem_limit: int) -> list[tu
             cfg = A.AttentionConfig(bm, bn, w, s, split)
             if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
-    if kernel == "fwd" and mask == "none" and d in A._TMA_HEAD_DIMS:
-        for bm, bn, w, s in TMA_FWD_CANDIDATES:
+    if mask == "none" and d in A._TMA_HEAD_DIMS:
+        for bm, bn, w, s in TMA_CANDIDATES[kernel]:
             cfg = A.AttentionConfig(bm, bn, w, s, False, True)
             if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))

@@ -379,18 +379,18 @@ def test_out_of_resources_falls_back(monkeypatch):
 
 
 
-# The Hopper TMA forward (kernels/attention_fwd_tma.py; `AttentionConfig.tma`). On the CPU its
-# tensor-descriptor loads run in Triton's interpreter; the backward of each case runs on its
-# out/lse (the backward ignores `tma`).
+# The Hopper TMA kernels (kernels/attention_fwd_tma.py, attention_bwd_tma.py; `AttentionConfig.tma`).
+# On the CPU their tensor-descriptor loads run in Triton's interpreter (the backward's dQ through
+# element atomics there: the interpreter has no descriptor reductions).
 TMA_CASES = {
     # GQA, causal, partial last blocks, HF's transposed (B, L, H, D) layout.
     "bf16-d64-gqa-causal-transposed": dict(
         dtype=torch.bfloat16, B=1, Hq=4, Hkv=2, Lq=70, Lk=70, D=64, Dv=64, causal=True,
         bias=None, transposed=True, config=(32, 16, 4, 1, False, True)),
-    # Full attention, Lq < Lk, MQA, D 128.
-    "fp16-d128-mqa-full-lq-lt-lk": dict(
+    # Full attention, Lq < Lk, MQA with the group shared over 2 programs, D 128.
+    "fp16-d128-mqa-full-lq-lt-lk-split": dict(
         dtype=torch.float16, B=2, Hq=2, Hkv=1, Lq=17, Lk=40, D=128, Dv=128, causal=False,
-        bias=None, config=(16, 16, 4, 1, False, True)),
+        bias=None, config=(16, 16, 4, 1, False, True), group_split=2),
     # Causal with Lq > Lk: rows past the last key see every key (top-left alignment).
     "bf16-d128-causal-lq-gt-lk": dict(
         dtype=torch.bfloat16, B=1, Hq=2, Hkv=2, Lq=40, Lk=17, D=128, Dv=128, causal=True,
@@ -402,16 +402,32 @@ TMA_CASES = {
 }
 
 
+class _LaunchSpy:
+    """Stands in for a Triton kernel and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("case", list(TMA_CASES.values()), ids=list(TMA_CASES))
-def test_tma_forward_matches_reference(monkeypatch, case):
-    ran = []
-    real = attn._launch_fwd_tma
-    monkeypatch.setattr(attn, "_launch_fwd_tma", lambda *a: ran.append(1) or real(*a))
+def test_tma_kernels_match_reference(monkeypatch, case):
+    """Forward and (atomic) backward through the TMA kernels; the deterministic backward has
+    no TMA variant and ignores the flag."""
+    spies = {}
+    for name in ("attention_fwd_tma_kernel", "attention_bwd_tma_kernel"):
+        spies[name] = _LaunchSpy(getattr(attn, name))
+        monkeypatch.setattr(attn, name, spies[name])
     run_case(**case)
-    assert ran, "the TMA forward kernel did not run"
+    assert all(s.launches == 1 for s in spies.values()), {n: s.launches for n, s in spies.items()}
+    run_case(**case, deterministic=True)
+    assert spies["attention_bwd_tma_kernel"].launches == 1
 
 
-def test_tma_forward_refuses_what_it_does_not_cover(monkeypatch):
+def test_tma_kernels_refuse_what_they_do_not_cover(monkeypatch):
     """A user-given TMA config on a problem the kernel does not cover is an error naming why;
     a table TMA entry on such a problem falls back to the general kernel (still correct)."""
     torch.manual_seed(0)
@@ -431,6 +447,10 @@ def test_tma_forward_refuses_what_it_does_not_cover(monkeypatch):
         with pytest.raises(ValueError, match=match):
             attn.attention_forward(call["q"], call["k"], call["v"], call["bias"], is_causal=False,
                                    scale=call["scale"], config=tma)
+    out, lse = attn.attention_forward(q, k, v, None, is_causal=False, scale=0.125)
+    with pytest.raises(ValueError, match="TMA backward kernel, but it writes no dbias"):
+        attn.attention_backward(out, q, k, v, None, out, lse, is_causal=False, scale=0.125,
+                                need_dbias=True, config=tma, deterministic=False)
     # Table path: the entry says TMA, the problem has a bias -> general kernel, right answer.
     monkeypatch.setattr(attn, "_pick_config", lambda *a: tma)
     monkeypatch.setattr(attn, "_launch_fwd_tma", lambda *a: pytest.fail("TMA kernel launched"))

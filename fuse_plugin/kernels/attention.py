@@ -101,6 +101,7 @@ from .attention_bwd import (
     attention_bwd_dq_kernel,
 )
 from .attention_fwd import attention_fwd_kernel
+from .attention_bwd_tma import attention_bwd_tma_kernel
 from .attention_fwd_tma import attention_fwd_tma_kernel
 from .host import cdiv as _cdiv
 from .host import dropout_scale, dropout_threshold
@@ -119,9 +120,9 @@ class AttentionConfig(NamedTuple):
     (default, atomic path): ``block_n`` keys per program (dK/dV stay in registers), ``block_m``
     queries per loop step; the deterministic backward reads them the same way in both kernels.
     ``split_d``: compute a non-power-of-2 head dim as two power-of-2 parts (see module doc).
-    ``tma`` (forward only): run the Hopper TMA kernel (attention_fwd_tma.py) when the problem is
-    one it covers (``_tma_eligible``); a table entry falls back to the general kernel's heuristic
-    tiles otherwise, a user-given config raises."""
+    ``tma``: run the Hopper TMA kernel (attention_fwd_tma.py / attention_bwd_tma.py; the atomic
+    backward path only) when the problem is one it covers (``_tma_ineligible``); a table entry
+    falls back to the general kernel's heuristic tiles otherwise, a user-given config raises."""
 
     block_m: int  # query rows per tile (power of 2, >= 16)
     block_n: int  # key rows per tile (power of 2, >= 16)
@@ -243,6 +244,8 @@ def _smem_estimate(kernel: str, cfg: AttentionConfig, D: int, Dv: int, elt: int,
             return resident + st * streamed + 1024
         return resident + st * streamed + bm * bn * elt
     resident = bn * (dp + dvp) * elt
+    if cfg.tma:  # Q/dO copies in shared memory, the fp32 dQ tile of the TMA reduction, dS
+        return resident + st * bm * (dp + dvp) * elt + bm * dp * 4 + bm * bn * elt + 4096
     streamed = bm * (dp + dvp) * elt + bm * bn * bias_elt + 8 * bm
     return resident + st * streamed + 2 * bm * bn * elt
 
@@ -333,9 +336,14 @@ def _dot_precision(t: torch.Tensor) -> str:
     return "ieee"
 
 
+def _interpreted(t: torch.Tensor) -> bool:
+    """CPU tensors run in Triton's interpreter (see ops/_dispatch.py)."""
+    return not t.is_cuda
+
+
 def _upcast_dot(t: torch.Tensor) -> bool:
-    # CPU tensors run in Triton's interpreter, whose tl.dot mishandles bf16 (see _dot).
-    return t.dtype == torch.bfloat16 and not t.is_cuda
+    # The interpreter's tl.dot mishandles bf16 (see _dot).
+    return t.dtype == torch.bfloat16 and _interpreted(t)
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -652,6 +660,17 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         cfg = _rope_adjust("bwd", _pick_config("bwd", q, D, Dv, is_causal, kind, Lq, Lk,
                                                _bias_elt(bias_t, kind)), q.dtype, rc)
     _check_config(cfg)
+    use_tma = False
+    if cfg.tma and not deterministic:
+        why_not = "it writes no dbias" if need_dbias else \
+            _tma_ineligible(q, k, v, dout, kind, rc, dropout, scale, D, Dv)
+        if why_not is None:
+            use_tma = True
+        elif user_given:
+            raise ValueError(f"config {cfg} asks for the TMA backward kernel, but {why_not}")
+        else:
+            cfg = _fit_smem("bwd", _backward_config(D, Dv, q.dtype), D, Dv, q.element_size(), 0,
+                            dev)
     score_scale = _score_scale(kind, scale)
     common = dict(IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, PRECISION=_dot_precision(q),
                   UPCAST_DOT=_upcast_dot(q))
@@ -688,6 +707,21 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                 split_strides = (dk_out.stride(0), dv_out.stride(0))
             else:
                 dk_out, dv_out, dk_strides, dv_strides, split_strides = dk, dv, dk.stride(), dv.stride(), (0, 0)
+            if use_tma:
+                if q.is_cuda:
+                    _ensure_tma_allocator()
+                attention_bwd_tma_kernel[(_cdiv(Lk, cfg.block_n) * B * Hkv * split,)](
+                    q, k, v, dout, dqa, dk_out, dv_out, delta, row_m,
+                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+                    *dk_strides[:3], *dv_strides[:3], Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale,
+                    scale, split, *split_strides, D=D, IS_CAUSAL=bool(is_causal),
+                    TMA_REDUCE=not _interpreted(q), PRECISION=common["PRECISION"],
+                    UPCAST_DOT=common["UPCAST_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                if split > 1:
+                    dk.copy_(dk_out.sum(0))
+                    dv.copy_(dv_out.sum(0))
+                return
             d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)
             dv0, dv1 = _d_parts(Dv, cfg.split_d)
             bm, bn = cfg.block_m, cfg.block_n

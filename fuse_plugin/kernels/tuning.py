@@ -19,8 +19,8 @@ Keys (``make_key``)::
 
 An entry is ``[block_m, block_n, num_warps, num_stages, split_d, source]`` where source says how
 it was obtained (``tuned``, ``from:<key>`` for a copy of a tuned sibling, ``heuristic``),
-optionally followed by ``"tma"``: a forward entry that runs the Hopper TMA kernel
-(``AttentionConfig.tma``; only on keys that kernel covers: no mask, fp16/bf16, d64/d128).
+optionally followed by ``"tma"``: an entry that runs the Hopper TMA kernels
+(``AttentionConfig.tma``; only on keys they cover: no mask, fp16/bf16, d64/d128).
 Set ``FUSE_PLUGIN_ATTENTION_TABLE`` to a JSON path to use another table file, or to ``off`` to
 use the heuristic tiles only.
 """
@@ -106,10 +106,9 @@ def entry_to_config(entry) -> Optional[tuple]:
 
 
 def tma_key(key: str) -> bool:
-    """Whether the TMA forward kernel covers a key's problems (see attention._tma_ineligible)."""
+    """Whether the TMA kernels cover a key's problems (see attention._tma_ineligible)."""
     p = parse_key(key)
-    return (p["kernel"] == "fwd" and p["dtype"] in ("fp16", "bf16") and p["mask"] == "none"
-            and p["dbucket"] in (64, 128))
+    return p["dtype"] in ("fp16", "bf16") and p["mask"] == "none" and p["dbucket"] in (64, 128)
 
 
 def select_gpu(table: dict, name: str) -> Optional[dict]:

@@ -1,0 +1,139 @@
+"""Hopper backward of the plain attention case: the atomic-dQ backward with its tiles moved by
+TMA (tensor descriptors), and dQ added by TMA reductions.
+
+Same problems as attention_fwd_tma.py (no bias, dropout or rope; fp16/bf16; ``Dv == D`` in
+{64, 128}; 16-byte aligned layouts), same program layout and order as ``attention_bwd_kernel``
+(one program per key block of a KV head, or of a share of its GQA group with ``group_split``),
+and the same inputs: the preprocess kernel's Delta / RowM rows and the zeroed fp32 dQ buffer
+(contiguous (B, Hq, Lq, D)), which ``attention_dq_cast_kernel`` scales and casts afterwards.
+
+What TMA changes: the streamed Q and dO tiles land in shared memory without address or mask math,
+and each query block's dQ share, a [BLOCK_M, D] fp32 tile, is added by one bulk reduction
+(``cp.reduce.async.bulk``) instead of BLOCK_M * D element atomics. Out-of-range rows of a head
+read as zero and are never written (the descriptors' bounds are that head's rows). Triton's CPU
+interpreter has no descriptor reductions: there (``TMA_REDUCE`` off) dQ goes through element
+atomics, so CI checks everything but the reduction itself, which the GPU tests cover.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attention_tiles import _atomic_add_tile, _dot, _dot_acc, _store_d
+
+
+@triton.jit
+def _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, RowM, Delta, stat_base,
+                  start_n, start_m, offs_n, offs_m, Lq, Lk, score_scale, IS_CAUSAL: tl.constexpr,
+                  MASK: tl.constexpr, TMA_REDUCE: tl.constexpr, PRECISION: tl.constexpr,
+                  UPCAST_DOT: tl.constexpr):
+    """One (key block, query block) pair on transposed (keys x queries) tiles, as ``_bwd_step``
+    of the general kernel: dV += P^T dO, dK += dS^T Q in registers, dQ += dS K by TMA reduction
+    (unscaled; the cast kernel applies the softmax scale)."""
+    q = q_desc.load([start_m, 0])
+    do = do_desc.load([start_m, 0])
+    rows = start_m + offs_m
+    row_ok = rows < Lq
+    # Padding query rows get RowM = +inf, hence p = 0 (their q rows also read as zeros).
+    row_m = tl.load(RowM + stat_base + rows, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + stat_base + rows, mask=row_ok, other=0.0)
+    qk_t = _dot(k, tl.trans(q), PRECISION, UPCAST_DOT)
+    p_t = tl.exp2(qk_t * score_scale - row_m[None, :])
+    if MASK:
+        cols = start_n + offs_n
+        visible = cols[:, None] < Lk
+        if IS_CAUSAL:
+            visible = visible & (rows[None, :] >= cols[:, None])
+        p_t = tl.where(visible, p_t, 0.0)
+    dv = _dot_acc(p_t.to(do.dtype), do, dv, PRECISION, UPCAST_DOT)
+    dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+    dk = _dot_acc(ds_t, q, dk, PRECISION, UPCAST_DOT)
+    dq = _dot(tl.trans(ds_t), k, PRECISION, UPCAST_DOT)
+    if TMA_REDUCE:
+        dq_desc.atomic_add([start_m, 0], dq)
+    else:  # Triton's interpreter has no descriptor reductions: element atomics
+        _atomic_add_tile(dq_base, dq, start_m, Lq, dq.shape[1], dq.shape[1], dq.shape[0],
+                         dq.shape[1])
+    return dk, dv
+
+
+@triton.jit
+def attention_bwd_tma_kernel(
+    Q, K, V, DO, DQA, DK, DV, Delta, RowM,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale,
+    group_split, split_stride_dk, split_stride_dv,
+    D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    TMA_REDUCE: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV of one key block of one KV head (its GQA group's query heads, or a ``group_split``
+    share of them: partial dK/dV then go to fp32 buffers at DK/DV + split * split_stride_*),
+    and that key block's share of dQ, added into DQA."""
+    n_n_blocks = tl.cdiv(Lk, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_n = pid % n_n_blocks  # key block 0 (the causally heaviest) first
+    rest = pid // n_n_blocks
+    split = rest % group_split
+    pid_bh = rest // group_split
+    heads_per_split = kv_group // group_split
+    b = (pid_bh // Hkv).to(tl.int64)
+    kvh = (pid_bh % Hkv).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+
+    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[Lk, D],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, D])
+    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[Lk, D],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, D])
+    k = k_desc.load([start_n, 0])
+    v = v_desc.load([start_n, 0])
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+
+    # As attention_bwd_kernel: query blocks [lo, mid) need masks (causal diagonal; all of them
+    # when this key block is the last, partial one), [mid, Lq) are fully visible.
+    if IS_CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        mid = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        mid = 0
+    mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
+    n_full = tl.cdiv(Lq - mid, BLOCK_M)
+    for g in range(split * heads_per_split, (split + 1) * heads_per_split):
+        h = kvh * kv_group + g
+        q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[Lq, D],
+                                           strides=[stride_qm, 1], block_shape=[BLOCK_M, D])
+        do_desc = tl.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[Lq, D],
+                                            strides=[stride_dom, 1], block_shape=[BLOCK_M, D])
+        dq_base = DQA + (b * Hq + h) * Lq * D
+        dq_desc = tl.make_tensor_descriptor(dq_base, shape=[Lq, D], strides=[D, 1],
+                                            block_shape=[BLOCK_M, D])
+        stat_base = (b * Hq + h) * Lq
+        for start_m in range(lo, mid, BLOCK_M):
+            dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, RowM, Delta,
+                                   stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
+                                   score_scale, IS_CAUSAL, True, TMA_REDUCE, PRECISION,
+                                   UPCAST_DOT)
+        # Fully visible blocks from a per-program rotation (key blocks of one head do not all
+        # reduce into the same dQ rows at once).
+        for j in range(0, n_full):
+            start_m = mid + ((j + pid_n) % n_full) * BLOCK_M
+            dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, RowM, Delta,
+                                   stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
+                                   score_scale, IS_CAUSAL, False, TMA_REDUCE, PRECISION,
+                                   UPCAST_DOT)
+
+    split64 = split.to(tl.int64)
+    _store_d(DK + split64 * split_stride_dk + b * stride_dkb + kvh * stride_dkh, dk * sm_scale,
+             dk, start_n, Lk, stride_dkn, 1, D, D, 0, BLOCK_N)
+    _store_d(DV + split64 * split_stride_dv + b * stride_dvb + kvh * stride_dvh, dv, dv,
+             start_n, Lk, stride_dvn, 1, D, D, 0, BLOCK_N)
