@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 import fuse_plugin.kernels.attention as A  # noqa: E402
 
@@ -80,6 +81,8 @@ def record(quick: bool):
 def arg_type(a) -> str:
     if isinstance(a, torch.Tensor):
         return POINTER[a.dtype]
+    if isinstance(a, TensorDescriptor):  # host-side TMA descriptor (the TMA kernels)
+        return f"tensordesc<{POINTER[a.base.dtype][1:]}[{','.join(map(str, a.block_shape))}]>"
     if isinstance(a, bool):
         return "i1"
     if isinstance(a, int):

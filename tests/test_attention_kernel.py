@@ -447,6 +447,15 @@ def test_tma_kernels_refuse_what_they_do_not_cover(monkeypatch):
         with pytest.raises(ValueError, match=match):
             attn.attention_forward(call["q"], call["k"], call["v"], call["bias"], is_causal=False,
                                    scale=call["scale"], config=tma)
+    # K/V expanded over heads (stride 0): TMA takes no zero strides.
+    with pytest.raises(ValueError, match="16-byte"):
+        attn.attention_forward(q, k[:, :1].expand(1, 2, 20, 64), v, None, is_causal=False,
+                               scale=0.125, config=tma)
+    # A size-1 dim's stride is never used: an odd one does not stop the TMA kernels.
+    q1 = q.as_strided((1, 2, 20, 64), (3, 20 * 64, 64, 1))
+    out1, _ = attn.attention_forward(q1, k, v, None, is_causal=False, scale=0.125, config=tma)
+    ref1, _ = reference(q1.double(), k.double(), v.double(), None, False, 0.125)
+    assert rel_err(out1, ref1) < 1e-2
     out, lse = attn.attention_forward(q, k, v, None, is_causal=False, scale=0.125)
     with pytest.raises(ValueError, match="TMA backward kernel, but it writes no dbias"):
         attn.attention_backward(out, q, k, v, None, out, lse, is_causal=False, scale=0.125,

@@ -90,6 +90,7 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import tuning
 from .attention_bwd import (
@@ -171,10 +172,10 @@ def _forward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
             return AttentionConfig(32, 64, 8, 2)
         return AttentionConfig(32, 32, 8, 1)
     split = _d_parts(max(D, Dv), True)[1] != 0
-    if d <= 64:
-        return AttentionConfig(128, 64, 4, 3, split)
     if d <= 128:
-        return AttentionConfig(128, 64, 8, 3, split)
+        # The general kernel's tuned winner at D 64 and 128 (H100, tune --plan full, stop 9):
+        # also what a TMA table entry falls back to for dropout / rope problems.
+        return AttentionConfig(64, 64, 4, 3, split)
     return AttentionConfig(128, 32, 8, 2, split)
 
 
@@ -517,8 +518,10 @@ def _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv) -> O
     if q.is_cuda and _capability(q.device)[0] < 9:
         return "TMA needs compute capability 9.0 or newer"
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        # TMA: 16-byte aligned base and strides (the head-dim stride is 1, see _unit_last_stride)
-        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:3]):
+        # TMA: 16-byte aligned base and non-zero strides (the head-dim stride is 1, see
+        # _unit_last_stride; strides of size-1 dims are never used, see _tma_descriptor).
+        if t.data_ptr() % 16 or any(n > 1 and (st <= 0 or st * t.element_size() % 16)
+                                    for n, st in zip(t.shape[:3], t.stride()[:3])):
             return f"{name}'s address or strides {t.stride()} are not 16-byte multiples"
     return None
 
@@ -532,30 +535,23 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_tma_allocator() -> None:
-    """Device-side tensor descriptors need Triton's launch-time scratch allocator. Install a
-    torch one in the current context unless the user set their own (it is a ContextVar, so
-    other threads, e.g. autograd's, start without it: checked at every launch)."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_tma_scratch)
+def _tma_descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """Host-side TMA descriptor of a (B, H, L, D) tensor with [1, 1, block_rows, D] blocks.
+    Size-1 dims are never stepped over; their strides (which torch leaves arbitrary) are replaced
+    by one 16-byte unit so that TMA's alignment rule holds."""
+    strides = [st if n > 1 else 16 // t.element_size() for n, st in zip(t.shape[:3], t.stride()[:3])]
+    return TensorDescriptor(t, list(t.shape), strides + [1], [1, 1, block_rows, t.shape[3]])
 
 
 def _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, cfg):
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
-    if q.is_cuda:
-        _ensure_tma_allocator()
-    grid = (_cdiv(Lq, cfg.block_m) * B * Hq,)
+    bm, bn = cfg.block_m, cfg.block_n
+    grid = (_cdiv(Lq, bm) * B * Hq,)
     attention_fwd_tma_kernel[grid](
-        q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        *lse.stride()[:2], Hq, Hq // Hkv, Lq, Lk, scale * 1.4426950408889634,
-        D=D, IS_CAUSAL=bool(is_causal), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        _tma_descriptor(q, bm), _tma_descriptor(k, bn), _tma_descriptor(v, bn),
+        _tma_descriptor(out, bm), lse, *lse.stride()[:2], Hq, Hq // Hkv, Lq, Lk,
+        scale * 1.4426950408889634, D=D, IS_CAUSAL=bool(is_causal), BLOCK_M=bm, BLOCK_N=bn,
         PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -580,8 +576,8 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     kind, bias_t, sb = _bias_args(bias, q)
     seed, drop_thresh, inv_keep, dropout = _dropout_args(dropout_p, dropout_seed, q)
     user_given = config is not None
-    cfg = AttentionConfig(*config) if user_given else _rope_adjust("fwd", _pick_config(
-        "fwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind)), q.dtype, rc)
+    cfg = AttentionConfig(*config) if user_given else _pick_config(
+        "fwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
     _check_config(cfg)
     if cfg.tma:
         why_not = _tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv)
@@ -591,8 +587,12 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
             return out, lse
         if user_given:
             raise ValueError(f"config {cfg} asks for the TMA forward kernel, but {why_not}")
+        # A TMA table entry for a problem it does not cover (dropout, rope, a layout): the
+        # general kernel's heuristic tiles (the tuned general winners of these keys on the H100).
         cfg = _fit_smem("fwd", _forward_config(D, Dv, q.dtype), D, Dv, q.element_size(), 0,
                         q.device)
+    if not user_given:
+        cfg = _rope_adjust("fwd", cfg, q.dtype, rc)
 
     def launch(cfg):
         d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)
@@ -657,8 +657,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     elif deterministic:
         cfg = _deterministic_backward_config(D, Dv, q.dtype)
     else:
-        cfg = _rope_adjust("bwd", _pick_config("bwd", q, D, Dv, is_causal, kind, Lq, Lk,
-                                               _bias_elt(bias_t, kind)), q.dtype, rc)
+        cfg = _pick_config("bwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
     _check_config(cfg)
     use_tma = False
     if cfg.tma and not deterministic:
@@ -668,9 +667,11 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
             use_tma = True
         elif user_given:
             raise ValueError(f"config {cfg} asks for the TMA backward kernel, but {why_not}")
-        else:
+        else:  # as in the forward: the general kernel's heuristic tiles
             cfg = _fit_smem("bwd", _backward_config(D, Dv, q.dtype), D, Dv, q.element_size(), 0,
                             dev)
+    if not user_given and not deterministic:
+        cfg = _rope_adjust("bwd", cfg, q.dtype, rc)
     score_scale = _score_scale(kind, scale)
     common = dict(IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, PRECISION=_dot_precision(q),
                   UPCAST_DOT=_upcast_dot(q))
@@ -708,15 +709,14 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
             else:
                 dk_out, dv_out, dk_strides, dv_strides, split_strides = dk, dv, dk.stride(), dv.stride(), (0, 0)
             if use_tma:
-                if q.is_cuda:
-                    _ensure_tma_allocator()
-                attention_bwd_tma_kernel[(_cdiv(Lk, cfg.block_n) * B * Hkv * split,)](
-                    q, k, v, dout, dqa, dk_out, dv_out, delta, row_m,
-                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-                    *dk_strides[:3], *dv_strides[:3], Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale,
-                    scale, split, *split_strides, D=D, IS_CAUSAL=bool(is_causal),
+                bm, bn = cfg.block_m, cfg.block_n
+                attention_bwd_tma_kernel[(_cdiv(Lk, bn) * B * Hkv * split,)](
+                    _tma_descriptor(q, bm), _tma_descriptor(k, bn), _tma_descriptor(v, bn),
+                    _tma_descriptor(dout, bm), _tma_descriptor(dqa, bm), dqa, dk_out, dv_out,
+                    delta, row_m, *dk_strides[:3], *dv_strides[:3], Hq, Hkv, Hq // Hkv, Lq, Lk,
+                    score_scale, scale, split, *split_strides, D=D, IS_CAUSAL=bool(is_causal),
                     TMA_REDUCE=not _interpreted(q), PRECISION=common["PRECISION"],
-                    UPCAST_DOT=common["UPCAST_DOT"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    UPCAST_DOT=common["UPCAST_DOT"], BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
                 if split > 1:
                     dk.copy_(dk_out.sum(0))

@@ -10,8 +10,9 @@ and the same inputs: the preprocess kernel's Delta / RowM rows and the zeroed fp
 What TMA changes: the streamed Q and dO tiles land in shared memory without address or mask math,
 and each query block's dQ share, a [BLOCK_M, D] fp32 tile, is added by one bulk reduction
 (``cp.reduce.async.bulk``) instead of BLOCK_M * D element atomics. Out-of-range rows of a head
-read as zero and are never written (the descriptors' bounds are that head's rows). Triton's CPU
-interpreter has no descriptor reductions: there (``TMA_REDUCE`` off) dQ goes through element
+read as zero and are never written (each tensor is a host-side 4-D descriptor over its
+(B, H, L, D) view with [1, 1, BLOCK, D] blocks, so a block's bounds are its head's rows).
+Triton's CPU interpreter has no descriptor reductions: there (``TMA_REDUCE`` off) dQ goes through element
 atomics, so CI checks everything but the reduction itself, which the GPU tests cover.
 """
 from __future__ import annotations
@@ -23,15 +24,15 @@ from .attention_tiles import _atomic_add_tile, _dot, _dot_acc, _store_d
 
 
 @triton.jit
-def _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, RowM, Delta, stat_base,
+def _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM, Delta, stat_base,
                   start_n, start_m, offs_n, offs_m, Lq, Lk, score_scale, IS_CAUSAL: tl.constexpr,
-                  MASK: tl.constexpr, TMA_REDUCE: tl.constexpr, PRECISION: tl.constexpr,
-                  UPCAST_DOT: tl.constexpr):
+                  MASK: tl.constexpr, TMA_REDUCE: tl.constexpr, D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """One (key block, query block) pair on transposed (keys x queries) tiles, as ``_bwd_step``
     of the general kernel: dV += P^T dO, dK += dS^T Q in registers, dQ += dS K by TMA reduction
     (unscaled; the cast kernel applies the softmax scale)."""
-    q = q_desc.load([start_m, 0])
-    do = do_desc.load([start_m, 0])
+    q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
+    do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
     rows = start_m + offs_m
     row_ok = rows < Lq
     # Padding query rows get RowM = +inf, hence p = 0 (their q rows also read as zeros).
@@ -51,20 +52,15 @@ def _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, RowM, Delta, 
     dk = _dot_acc(ds_t, q, dk, PRECISION, UPCAST_DOT)
     dq = _dot(tl.trans(ds_t), k, PRECISION, UPCAST_DOT)
     if TMA_REDUCE:
-        dq_desc.atomic_add([start_m, 0], dq)
+        dq_desc.atomic_add([b, h, start_m, 0], dq.reshape(1, 1, BLOCK_M, D))
     else:  # Triton's interpreter has no descriptor reductions: element atomics
-        _atomic_add_tile(dq_base, dq, start_m, Lq, dq.shape[1], dq.shape[1], dq.shape[0],
-                         dq.shape[1])
+        _atomic_add_tile(dq_base, dq, start_m, Lq, D, D, BLOCK_M, D)
     return dk, dv
 
 
 @triton.jit
 def attention_bwd_tma_kernel(
-    Q, K, V, DO, DQA, DK, DV, Delta, RowM,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
+    q_desc, k_desc, v_desc, do_desc, dq_desc, DQA, DK, DV, Delta, RowM,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale,
@@ -75,7 +71,7 @@ def attention_bwd_tma_kernel(
 ):
     """dK, dV of one key block of one KV head (its GQA group's query heads, or a ``group_split``
     share of them: partial dK/dV then go to fp32 buffers at DK/DV + split * split_stride_*),
-    and that key block's share of dQ, added into DQA."""
+    and that key block's share of dQ, added into DQA (also described by ``dq_desc``)."""
     n_n_blocks = tl.cdiv(Lk, BLOCK_N)
     pid = tl.program_id(0)
     pid_n = pid % n_n_blocks  # key block 0 (the causally heaviest) first
@@ -83,18 +79,14 @@ def attention_bwd_tma_kernel(
     split = rest % group_split
     pid_bh = rest // group_split
     heads_per_split = kv_group // group_split
-    b = (pid_bh // Hkv).to(tl.int64)
-    kvh = (pid_bh % Hkv).to(tl.int64)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
     start_n = pid_n * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
 
-    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[Lk, D],
-                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, D])
-    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[Lk, D],
-                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, D])
-    k = k_desc.load([start_n, 0])
-    v = v_desc.load([start_n, 0])
+    k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
+    v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
 
@@ -110,30 +102,26 @@ def attention_bwd_tma_kernel(
     n_full = tl.cdiv(Lq - mid, BLOCK_M)
     for g in range(split * heads_per_split, (split + 1) * heads_per_split):
         h = kvh * kv_group + g
-        q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[Lq, D],
-                                           strides=[stride_qm, 1], block_shape=[BLOCK_M, D])
-        do_desc = tl.make_tensor_descriptor(DO + b * stride_dob + h * stride_doh, shape=[Lq, D],
-                                            strides=[stride_dom, 1], block_shape=[BLOCK_M, D])
-        dq_base = DQA + (b * Hq + h) * Lq * D
-        dq_desc = tl.make_tensor_descriptor(dq_base, shape=[Lq, D], strides=[D, 1],
-                                            block_shape=[BLOCK_M, D])
-        stat_base = (b * Hq + h) * Lq
+        stat_base = (b.to(tl.int64) * Hq + h) * Lq
+        dq_base = DQA + stat_base * D
         for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, RowM, Delta,
-                                   stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
-                                   score_scale, IS_CAUSAL, True, TMA_REDUCE, PRECISION,
-                                   UPCAST_DOT)
+            dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM,
+                                   Delta, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
+                                   score_scale, IS_CAUSAL, True, TMA_REDUCE, D, BLOCK_M,
+                                   PRECISION, UPCAST_DOT)
         # Fully visible blocks from a per-program rotation (key blocks of one head do not all
         # reduce into the same dQ rows at once).
         for j in range(0, n_full):
             start_m = mid + ((j + pid_n) % n_full) * BLOCK_M
-            dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, RowM, Delta,
-                                   stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
-                                   score_scale, IS_CAUSAL, False, TMA_REDUCE, PRECISION,
-                                   UPCAST_DOT)
+            dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM,
+                                   Delta, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
+                                   score_scale, IS_CAUSAL, False, TMA_REDUCE, D, BLOCK_M,
+                                   PRECISION, UPCAST_DOT)
 
     split64 = split.to(tl.int64)
-    _store_d(DK + split64 * split_stride_dk + b * stride_dkb + kvh * stride_dkh, dk * sm_scale,
+    b64 = b.to(tl.int64)
+    kvh64 = kvh.to(tl.int64)
+    _store_d(DK + split64 * split_stride_dk + b64 * stride_dkb + kvh64 * stride_dkh, dk * sm_scale,
              dk, start_n, Lk, stride_dkn, 1, D, D, 0, BLOCK_N)
-    _store_d(DV + split64 * split_stride_dv + b * stride_dvb + kvh * stride_dvh, dv, dv,
+    _store_d(DV + split64 * split_stride_dv + b64 * stride_dvb + kvh64 * stride_dvh, dv, dv,
              start_n, Lk, stride_dvn, 1, D, D, 0, BLOCK_N)

@@ -6,12 +6,19 @@ the registers and issue slots the address and mask math took, and lets the pipel
 key/value tiles in flight. This kernel covers only the common case: no bias, no dropout, no rope,
 ``Dv == D`` with ``D`` in {64, 128}, a positive scale, 2-byte dtypes, and q/k/v/out whose
 sequence strides are 16-byte multiples with unit head-dim stride (TMA's requirements); the
-launcher sends everything else to the general kernel.
+launcher sends everything else to the general kernel. Whether it runs is a table choice
+(``AttentionConfig.tma``; on the H100 it wins the D 128 forward, NOTES.md, stop 9).
 
 Shapes: q/out (B, Hq, Lq, D), k/v (B, Hkv, Lk, D) with any batch/head/sequence strides, lse
-(B, Hq, Lq) fp32 in natural-log units. One descriptor per (batch, head) and tensor is built on
-the device, so its bounds are that head's rows: out-of-range rows read as zero and are never
-written. Same program order, causal alignment (top-left) and numerics as the general kernel.
+(B, Hq, Lq) fp32 in natural-log units. Each tensor comes as a host-side 4-D tensor descriptor
+over its (B, H, L, D) view with [1, 1, BLOCK, D] blocks (``kernels/attention.py``,
+``_tma_descriptor``), so a block's bounds are its head's rows: out-of-range rows read as zero and
+are never written. Same program order, causal alignment (top-left) and numerics as the general
+kernel. (Host-side descriptors measured 1.5-9% faster than building them in each program with
+``tl.make_tensor_descriptor``, most at N = 1k: NOTES.md, stop 9.)
+
+Under Triton's CPU interpreter the same code runs (how CI tests it); bf16 dots are widened there
+(``UPCAST_DOT``) as in the general kernel.
 """
 from __future__ import annotations
 
@@ -22,11 +29,11 @@ from .attention_tiles import _LN2, _dot, _dot_acc
 
 
 @triton.jit
-def _tma_fwd_step(q, k_desc, v_desc, m_i, l_i, acc, start_m, start_n, offs_m, offs_n, Lk,
-                  qk_scale, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
-                  PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+def _tma_fwd_step(q, k_desc, v_desc, b, kvh, m_i, l_i, acc, start_m, start_n, offs_m, offs_n, Lk,
+                  qk_scale, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr, D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """One key block of the online softmax; MASK: the causal diagonal / last partial block."""
-    k = k_desc.load([start_n, 0])
+    k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
     qk = _dot(q, k.T, PRECISION, UPCAST_DOT)
     if MASK:
         cols = start_n + offs_n
@@ -42,19 +49,14 @@ def _tma_fwd_step(q, k_desc, v_desc, m_i, l_i, acc, start_m, start_n, offs_m, of
         p = tl.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = v_desc.load([start_n, 0])
+    v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
     acc = _dot_acc(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST_DOT)
     return m_new, l_i, acc
 
 
 @triton.jit
 def attention_fwd_tma_kernel(
-    Q, K, V, Out, Lse,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    stride_lb, stride_lh,
+    q_desc, k_desc, v_desc, o_desc, Lse, stride_lb, stride_lh,
     Hq, kv_group, Lq, Lk, qk_scale,
     D: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -65,23 +67,14 @@ def attention_fwd_tma_kernel(
     pid = tl.program_id(0)
     pid_m = n_m_blocks - 1 - pid % n_m_blocks
     pid_bh = pid // n_m_blocks
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
+    b = pid_bh // Hq
+    h = pid_bh % Hq
     kvh = h // kv_group
-
-    q_desc = tl.make_tensor_descriptor(Q + b * stride_qb + h * stride_qh, shape=[Lq, D],
-                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, D])
-    k_desc = tl.make_tensor_descriptor(K + b * stride_kb + kvh * stride_kh, shape=[Lk, D],
-                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, D])
-    v_desc = tl.make_tensor_descriptor(V + b * stride_vb + kvh * stride_vh, shape=[Lk, D],
-                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, D])
-    o_desc = tl.make_tensor_descriptor(Out + b * stride_ob + h * stride_oh, shape=[Lq, D],
-                                       strides=[stride_om, 1], block_shape=[BLOCK_M, D])
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    q = q_desc.load([start_m, 0])
+    q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -96,14 +89,16 @@ def attention_fwd_tma_kernel(
         hi = Lk
         full_end = (Lk // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _tma_fwd_step(q, k_desc, v_desc, m_i, l_i, acc, start_m, start_n,
-                                      offs_m, offs_n, Lk, qk_scale, IS_CAUSAL, False,
+        m_i, l_i, acc = _tma_fwd_step(q, k_desc, v_desc, b, kvh, m_i, l_i, acc, start_m, start_n,
+                                      offs_m, offs_n, Lk, qk_scale, IS_CAUSAL, False, D, BLOCK_N,
                                       PRECISION, UPCAST_DOT)
     for start_n in range(full_end, hi, BLOCK_N):
-        m_i, l_i, acc = _tma_fwd_step(q, k_desc, v_desc, m_i, l_i, acc, start_m, start_n,
-                                      offs_m, offs_n, Lk, qk_scale, IS_CAUSAL, True,
+        m_i, l_i, acc = _tma_fwd_step(q, k_desc, v_desc, b, kvh, m_i, l_i, acc, start_m, start_n,
+                                      offs_m, offs_n, Lk, qk_scale, IS_CAUSAL, True, D, BLOCK_N,
                                       PRECISION, UPCAST_DOT)
 
-    o_desc.store([start_m, 0], (acc / l_i[:, None]).to(Out.dtype.element_ty))
+    out = (acc / l_i[:, None]).to(o_desc.dtype)
+    o_desc.store([b, h, start_m, 0], out.reshape(1, 1, BLOCK_M, D))
     lse = (m_i + tl.log2(l_i)) * _LN2
-    tl.store(Lse + b * stride_lb + h * stride_lh + offs_m, lse, mask=offs_m < Lq)
+    tl.store(Lse + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + offs_m, lse,
+             mask=offs_m < Lq)
