@@ -20,6 +20,7 @@ from .attention_tiles import (
     _load_tile,
     _pair_ptrs,
     _probs,
+    _query_blocks,
     _scores,
     _store_d,
     _store_grad,
@@ -269,17 +270,7 @@ def attention_bwd_kernel(
     else:
         dv1 = dv0
 
-    # Query blocks [lo, mid) need masks (causal diagonal; every block when this key block is
-    # the last, partial one, whose padding keys must not reach dQ); [mid, Lq) are fully visible.
-    # Causal: query blocks ending before this key block's first key see none of it.
-    if IS_CAUSAL:
-        lo = (start_n // BLOCK_M) * BLOCK_M
-        mid = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
-    else:
-        lo = 0
-        mid = 0
-    mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
-    n_full = tl.cdiv(Lq - mid, BLOCK_M)
+    lo, mid, n_full = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for g in range(split * heads_per_split, (split + 1) * heads_per_split):
         h = kvh * kv_group + g
         q_base = Q + b * stride_qb + h * stride_qh

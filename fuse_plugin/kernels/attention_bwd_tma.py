@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_tiles import _atomic_add_tile, _dot, _dot_acc, _store_d
+from .attention_tiles import _atomic_add_tile, _dot, _dot_acc, _query_blocks, _store_d
 
 
 @triton.jit
@@ -90,16 +90,7 @@ def attention_bwd_tma_kernel(
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
 
-    # As attention_bwd_kernel: query blocks [lo, mid) need masks (causal diagonal; all of them
-    # when this key block is the last, partial one), [mid, Lq) are fully visible.
-    if IS_CAUSAL:
-        lo = (start_n // BLOCK_M) * BLOCK_M
-        mid = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
-    else:
-        lo = 0
-        mid = 0
-    mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
-    n_full = tl.cdiv(Lq - mid, BLOCK_M)
+    lo, mid, n_full = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for g in range(split * heads_per_split, (split + 1) * heads_per_split):
         h = kvh * kv_group + g
         stat_base = (b.to(tl.int64) * Hq + h) * Lq

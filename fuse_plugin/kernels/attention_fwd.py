@@ -11,6 +11,7 @@ from .attention_tiles import (
     _dot_nt,
     _dropout_keep,
     _exp,
+    _key_blocks,
     _load_d,
     _load_qk,
     _scores,
@@ -141,15 +142,7 @@ def attention_fwd_kernel(
     else:
         acc1 = acc0
 
-    # Key blocks [0, full_end) are fully visible to every row of this block (no mask math);
-    # [full_end, hi) are the causal diagonal and/or the last partial key block. Causal: key
-    # blocks starting after this block's last row are fully masked and skipped.
-    if IS_CAUSAL:
-        hi = tl.minimum(Lk, start_m + BLOCK_M)
-        full_end = (tl.minimum(start_m + 1, Lk) // BLOCK_N) * BLOCK_N
-    else:
-        hi = Lk
-        full_end = (Lk // BLOCK_N) * BLOCK_N
+    full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc0, acc1 = _fwd_step(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_tiles import _LN2, _dot, _dot_acc
+from .attention_tiles import _LN2, _dot, _dot_acc, _key_blocks
 
 
 @triton.jit
@@ -79,15 +79,9 @@ def attention_fwd_tma_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
 
-    # [0, full_end): key blocks every row of this block sees whole; [full_end, hi): the causal
-    # diagonal and/or the last partial block. Top-left causal: every row sees key 0, so each
-    # row's max is finite after its first block (no -inf guard needed).
-    if IS_CAUSAL:
-        hi = tl.minimum(Lk, start_m + BLOCK_M)
-        full_end = (tl.minimum(start_m + 1, Lk) // BLOCK_N) * BLOCK_N
-    else:
-        hi = Lk
-        full_end = (Lk // BLOCK_N) * BLOCK_N
+    # Top-left causal: every row sees key 0, so each row's max is finite after its first block
+    # (no -inf guard needed).
+    full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _tma_fwd_step(q, k_desc, v_desc, b, kvh, m_i, l_i, acc, start_m, start_n,
                                       offs_m, offs_n, Lk, qk_scale, IS_CAUSAL, False, D, BLOCK_N,

@@ -109,6 +109,40 @@ def _atomic_add_tile(base, value, row0, n_rows, N_COLS: tl.constexpr, stride_r,
     tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
 
 
+@triton.jit
+def _key_blocks(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """The forward's key range for the query block at ``start_m``: ``(full_end, hi)``. Key blocks
+    [0, full_end) are fully visible to every row of the block (no mask math); [full_end, hi) are
+    the causal diagonal and/or the last partial key block. Causal (top-left): key blocks starting
+    after the block's last row are fully masked and skipped."""
+    if IS_CAUSAL:
+        hi = tl.minimum(Lk, start_m + BLOCK_M)
+        full_end = (tl.minimum(start_m + 1, Lk) // BLOCK_N) * BLOCK_N
+    else:
+        hi = Lk
+        full_end = (Lk // BLOCK_N) * BLOCK_N
+    return full_end, hi
+
+
+@triton.jit
+def _query_blocks(start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The atomic backward's query range for the key block at ``start_n``: ``(lo, mid, n_full)``.
+    Query blocks [lo, mid) need masks (the causal diagonal; every block when this key block is
+    the last, partial one, whose padding keys must not reach dQ); the ``n_full`` blocks from mid
+    on are fully visible. Causal: query blocks ending before the key block's first key see none
+    of it."""
+    if IS_CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        mid = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
+    else:
+        lo = 0
+        mid = 0
+    mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
+    return lo, mid, tl.cdiv(Lq - mid, BLOCK_M)
+
+
 # --------------------------------------------------------------------------------------------
 # q / k head-dim parts and the rotary embedding folded into their loads
 # --------------------------------------------------------------------------------------------
