@@ -15,6 +15,7 @@ from .attention_tiles import (
     _dot_nt,
     _dropout_keep,
     _exp,
+    _key_block_program,
     _load_d,
     _load_qk,
     _load_tile,
@@ -231,15 +232,10 @@ def attention_bwd_kernel(
     With ``group_split`` > 1 the GQA group's query heads are shared out over that many programs
     (more programs when B * Hkv * key blocks is too few for the GPU); each writes its partial
     dK/dV at DK/DV + split * split_stride_dk/dv (fp32 buffers the launcher sums)."""
-    n_n_blocks = tl.cdiv(Lk, BLOCK_N)
-    pid = tl.program_id(0)
-    pid_n = pid % n_n_blocks  # key block 0 (the causally heaviest) first
-    rest = pid // n_n_blocks
-    split = rest % group_split
-    pid_bh = rest // group_split
-    heads_per_split = kv_group // group_split
-    b = (pid_bh // Hkv).to(tl.int64)
-    kvh = (pid_bh % Hkv).to(tl.int64)
+    pid_n, split, b, kvh, heads_per_split = _key_block_program(Lk, Hkv, kv_group, group_split,
+                                                               BLOCK_N)
+    b = b.to(tl.int64)
+    kvh = kvh.to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

@@ -20,7 +20,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_tiles import _atomic_add_tile, _dot, _dot_acc, _query_blocks, _store_d
+from .attention_tiles import (
+    _atomic_add_tile,
+    _dot,
+    _dot_acc,
+    _key_block_program,
+    _query_blocks,
+    _store_d,
+)
 
 
 @triton.jit
@@ -72,15 +79,8 @@ def attention_bwd_tma_kernel(
     """dK, dV of one key block of one KV head (its GQA group's query heads, or a ``group_split``
     share of them: partial dK/dV then go to fp32 buffers at DK/DV + split * split_stride_*),
     and that key block's share of dQ, added into DQA (also described by ``dq_desc``)."""
-    n_n_blocks = tl.cdiv(Lk, BLOCK_N)
-    pid = tl.program_id(0)
-    pid_n = pid % n_n_blocks  # key block 0 (the causally heaviest) first
-    rest = pid // n_n_blocks
-    split = rest % group_split
-    pid_bh = rest // group_split
-    heads_per_split = kv_group // group_split
-    b = pid_bh // Hkv
-    kvh = pid_bh % Hkv
+    pid_n, split, b, kvh, heads_per_split = _key_block_program(Lk, Hkv, kv_group, group_split,
+                                                               BLOCK_N)
     start_n = pid_n * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

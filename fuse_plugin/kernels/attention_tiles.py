@@ -126,6 +126,20 @@ def _key_blocks(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _key_block_program(Lk, Hkv, kv_group, group_split, BLOCK_N: tl.constexpr):
+    """What a program of the atomic backward owns: ``(pid_n, split, b, kvh, heads_per_split)``,
+    key block ``pid_n`` (block 0, the causally heaviest, first) of KV head ``kvh`` of batch ``b``,
+    and share ``split`` of the ``group_split`` shares of its GQA group's query heads."""
+    n_n_blocks = tl.cdiv(Lk, BLOCK_N)
+    pid = tl.program_id(0)
+    pid_n = pid % n_n_blocks
+    rest = pid // n_n_blocks
+    split = rest % group_split
+    pid_bh = rest // group_split
+    return pid_n, split, pid_bh // Hkv, pid_bh % Hkv, kv_group // group_split
+
+
+@triton.jit
 def _query_blocks(start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """The atomic backward's query range for the key block at ``start_n``: ``(lo, mid, n_full)``.
