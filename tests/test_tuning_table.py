@@ -121,3 +121,23 @@ def test_table_file_is_line_per_entry():
     json.loads(text)
     n_entries = sum(len(g["entries"]) for g in json.loads(text)["gpus"].values())
     assert text.count("\n") > n_entries
+
+
+def test_fill_table_keeps_tma_entries_where_the_kernels_cover_the_key():
+    """The tuner's fill step copies a TMA-kernel winner to fp16 and to other length buckets of a
+    no-mask key, never to a mask key (the TMA kernels take no mask: there the general kernel's
+    heuristic tiles are written instead); malformed kernel markers are refused."""
+    from fuse_plugin import tune
+
+    tma_key = "fwd|bf16|d128|causal|none|n4096"
+    table = tune.fill_table({tma_key: [128, 64, 4, 2, 0, "tuned", "tma"]}, H100_SMEM)
+    assert table[tma_key] == [128, 64, 4, 2, 0, "tuned", "tma"]
+    assert table["fwd|fp16|d128|causal|none|n4096"] == [128, 64, 4, 2, 0, f"from:{tma_key}", "tma"]
+    assert table["fwd|bf16|d128|causal|none|n16384"][-1] == "tma"
+    for mask in ("bool", "float"):
+        entry = table[f"fwd|bf16|d128|causal|{mask}|n4096"]
+        assert entry[5] == "heuristic" and len(entry) == 6, entry
+    assert all(len(e) == 6 or tuning.tma_key(k) for k, e in table.items())
+    assert tuning.entry_to_config([128, 64, 4, 2, 0, "tuned", "tma"])[5] is True
+    assert tuning.entry_to_config([128, 64, 4, 2, 0, "tuned"])[5] is False
+    assert tuning.entry_to_config([128, 64, 4, 2, 0, "tuned", "fast"]) is None
