@@ -106,8 +106,8 @@ from .attention_bwd import (
     attention_bwd_dkdv_kernel,
     attention_bwd_dq_kernel,
 )
-from .attention_fwd import attention_fwd_kernel
 from .attention_bwd_tma import attention_bwd_tma_kernel
+from .attention_fwd import attention_fwd_kernel
 from .attention_fwd_tma import attention_fwd_tma_kernel
 from .host import cdiv as _cdiv
 from .host import dropout_scale, dropout_threshold
@@ -513,7 +513,8 @@ _TMA_HEAD_DIMS = (64, 128)
 
 
 def _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv) -> Optional[str]:
-    """None when the TMA forward covers this problem, else why not (attention_fwd_tma.py)."""
+    """None when the TMA kernels cover this problem, else why not (attention_fwd_tma.py; ``out``
+    is the forward's output or the backward's dout, the other tensor they read by TMA)."""
     if kind != _NO_BIAS or dropout or rope_consts["ROT"]:
         return "it takes no bias, dropout or rope"
     if D != Dv or D not in _TMA_HEAD_DIMS:
@@ -723,10 +724,13 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                     TMA_REDUCE=not _interpreted(q), PRECISION=common["PRECISION"],
                     UPCAST_DOT=common["UPCAST_DOT"], BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-                if split > 1:
-                    dk.copy_(dk_out.sum(0))
-                    dv.copy_(dv_out.sum(0))
-                return
+            else:
+                launch_general(cfg, split, dk_out, dv_out, dk_strides, dv_strides, split_strides)
+            if split > 1:
+                dk.copy_(dk_out.sum(0))
+                dv.copy_(dv_out.sum(0))
+
+        def launch_general(cfg, split, dk_out, dv_out, dk_strides, dv_strides, split_strides):
             d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)
             dv0, dv1 = _d_parts(Dv, cfg.split_d)
             bm, bn = cfg.block_m, cfg.block_n
@@ -747,9 +751,6 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                 BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
-            if split > 1:
-                dk.copy_(dk_out.sum(0))
-                dv.copy_(dv_out.sum(0))
 
         _launch(launch, cfg, user_given, "rope" if rc["ROT"] else None)
         if rc["ROT"]:
