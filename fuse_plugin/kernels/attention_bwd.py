@@ -26,6 +26,7 @@ from .attention_tiles import (
     _store_d,
     _store_grad,
     _store_tile,
+    _zero_parts,
 )
 
 
@@ -251,20 +252,8 @@ def attention_bwd_kernel(
                           INTERLEAVED, HALF_TABLE, BLOCK_N)
     v0, v1 = _load_d(V + b * stride_vb + kvh * stride_vh, start_n, Lk, stride_vn, stride_vd,
                      Dv, DV0, DV1, BLOCK_N)
-    dk0 = tl.zeros([BLOCK_N, D0], tl.float32)
-    dv0 = tl.zeros([BLOCK_N, DV0], tl.float32)
-    if D1 != 0:
-        dk1 = tl.zeros([BLOCK_N, D1], tl.float32)
-    else:
-        dk1 = dk0
-    if D2 != 0:
-        dk2 = tl.zeros([BLOCK_N, D2], tl.float32)
-    else:
-        dk2 = dk0
-    if DV1 != 0:
-        dv1 = tl.zeros([BLOCK_N, DV1], tl.float32)
-    else:
-        dv1 = dv0
+    dk0, dk1, dk2 = _zero_parts(BLOCK_N, D0, D1, D2)
+    dv0, dv1, _ = _zero_parts(BLOCK_N, DV0, DV1, 0)
 
     lo, mid, n_full = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for g in range(split * heads_per_split, (split + 1) * heads_per_split):
@@ -412,15 +401,7 @@ def attention_bwd_dkdv_kernel(
                           INTERLEAVED, HALF_TABLE, BLOCK_N)
     v = _load_tile(V + b * stride_vb + kvh * stride_vh, start_n, Lk, Dv, stride_vn, stride_vd,
                    BLOCK_N, BLOCK_DV)
-    dk0 = tl.zeros([BLOCK_N, D0], tl.float32)
-    if D1 != 0:
-        dk1 = tl.zeros([BLOCK_N, D1], tl.float32)
-    else:
-        dk1 = dk0
-    if D2 != 0:
-        dk2 = tl.zeros([BLOCK_N, D2], tl.float32)
-    else:
-        dk2 = dk0
+    dk0, dk1, dk2 = _zero_parts(BLOCK_N, D0, D1, D2)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
     # Causal: query blocks ending before this key block's first key see none of it.
@@ -544,15 +525,7 @@ def attention_bwd_dq_kernel(
         row_r = row_m  # unused
     if DROPOUT:
         seed = tl.load(Seed)
-    dq0 = tl.zeros([BLOCK_M, D0], tl.float32)
-    if D1 != 0:
-        dq1 = tl.zeros([BLOCK_M, D1], tl.float32)
-    else:
-        dq1 = dq0
-    if D2 != 0:
-        dq2 = tl.zeros([BLOCK_M, D2], tl.float32)
-    else:
-        dq2 = dq0
+    dq0, dq1, dq2 = _zero_parts(BLOCK_M, D0, D1, D2)
 
     if IS_CAUSAL:
         hi = tl.minimum(Lk, start_m + BLOCK_M)

@@ -16,6 +16,7 @@ from .attention_tiles import (
     _load_qk,
     _scores,
     _store_d,
+    _zero_parts,
 )
 
 
@@ -136,11 +137,7 @@ def attention_fwd_kernel(
                           BLOCK_M)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, DV0], tl.float32)
-    if DV1 != 0:
-        acc1 = tl.zeros([BLOCK_M, DV1], tl.float32)
-    else:
-        acc1 = acc0
+    acc0, acc1, _ = _zero_parts(BLOCK_M, DV0, DV1, 0)
 
     full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):

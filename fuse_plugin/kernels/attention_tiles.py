@@ -110,6 +110,22 @@ def _atomic_add_tile(base, value, row0, n_rows, N_COLS: tl.constexpr, stride_r,
 
 
 @triton.jit
+def _zero_parts(ROWS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr):
+    """fp32 zero accumulators for up to three head-dim parts of widths (W0, W1, W2); an absent
+    part (width 0) aliases the first and is never used (see the parts convention below)."""
+    z0 = tl.zeros([ROWS, W0], tl.float32)
+    if W1 != 0:
+        z1 = tl.zeros([ROWS, W1], tl.float32)
+    else:
+        z1 = z0
+    if W2 != 0:
+        z2 = tl.zeros([ROWS, W2], tl.float32)
+    else:
+        z2 = z0
+    return z0, z1, z2
+
+
+@triton.jit
 def _key_blocks(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr):
     """The forward's key range for the query block at ``start_m``: ``(full_end, hi)``. Key blocks
