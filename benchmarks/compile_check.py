@@ -60,10 +60,10 @@ def record(quick: bool):
     out, lse = A.attention_forward(q, k, v, None, is_causal=True, scale=0.1)
     for causal, tile in ((True, (128, 64, 4, 2)), (False, (64, 128, 4, 2))):  # the TMA forward
         A.attention_forward(q, k, v, None, is_causal=causal, scale=0.1,
-                            config=A.AttentionConfig(*tile, False, True))
+                            config=A.AttentionConfig(*tile, False, "tma"))
     for causal, tile in ((True, (64, 128, 8, 2)), (False, (64, 64, 4, 2))):  # the TMA backward
         A.attention_backward(out, q, k, v, None, out, lse, is_causal=causal, scale=0.1,
-                             need_dbias=False, config=A.AttentionConfig(*tile, False, True))
+                             need_dbias=False, config=A.AttentionConfig(*tile, False, "tma"))
     A.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.1, need_dbias=False)
     if not quick:
         seed = torch.tensor(1, dtype=torch.int64)

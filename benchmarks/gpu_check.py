@@ -66,6 +66,9 @@ ATTENTION_CASES = [
     (1, 2, 2, 77, 129, 160, 128, True, None),
     (2, 6, 3, 300, 300, 192, 192, False, None),
     (1, 4, 4, 64, 64, 32, 32, True, "float_b1"),
+    # no-mask D 128 / D 64 at lengths where the table picks the Hopper (TMA / Gluon) kernels
+    (1, 4, 2, 2048, 2048, 128, 128, False, None),
+    (2, 4, 4, 1500, 1500, 64, 64, True, None),
 ]
 
 

@@ -10,7 +10,10 @@ sets of other GPU names already in that file. Steps:
    hand-picked set of (block_m, block_n, num_warps, num_stages, split_d), pruned by an estimate
    of shared memory against the GPU's limit. The no-mask fp16/bf16 groups of head dims 64 and
    128 also try the Hopper TMA kernels' tiles (``TMA_CANDIDATES``; written as entries ending in
-   ``"tma"``).
+   ``"tma"``) and, on sm_90 with Triton 3.6, the warp-specialised Gluon kernels' (forward
+   ``GLUON_CANDIDATES``: ``"gluon"`` / ``"gluon_pingpong"``; backward ``GLUON_BWD_CANDIDATES``:
+   ``"gluon"`` / ``"gluon_dq_writer"``); the backward of large head dims
+   tries the atomic-free pair's (``TWO_KERNEL_CANDIDATES``; entries ending in ``"two_kernel"``).
 2. Compile + validate, in parallel worker processes (each a fresh CUDA context, so a crash costs
    one candidate): every candidate runs forward or backward on odd lengths (397 x 397, GQA 4/2)
    and is compared with a float64 golden; it also runs once on a small aligned shape so that the
@@ -63,7 +66,7 @@ FWD_CANDIDATES = {
     "d256": [(128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 1),
              (64, 32, 4, 3), (128, 32, 8, 2)],
 }
-# The Hopper TMA kernels (AttentionConfig.tma; no mask, fp16/bf16, D 64 or 128), candidates for
+# The Hopper TMA kernels (AttentionConfig.kernel "tma"; no mask, fp16/bf16, D 64 or 128), candidates for
 # the groups they cover, timed against the general kernels' (H100 sweeps, NOTES.md stop 9).
 TMA_CANDIDATES = {
     "fwd": [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
@@ -74,12 +77,33 @@ TMA_CANDIDATES = {
 BWD_CANDIDATES = {
     "small": [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2), (16, 128, 8, 2),
               (32, 128, 8, 3), (64, 128, 8, 1), (64, 64, 4, 2)],
-    "mid": [(32, 128, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 64, 4, 2)],
+    "mid": [(32, 128, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2),
+            (64, 64, 4, 2)],
     "d128": [(32, 128, 8, 2), (64, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2),
              (32, 64, 4, 2), (64, 64, 8, 3), (16, 64, 4, 2)],
     "large": [(16, 64, 8, 2), (32, 64, 8, 2), (16, 128, 8, 2), (32, 64, 8, 1)],
     "d256": [(16, 64, 8, 2), (32, 64, 8, 2), (16, 128, 8, 1), (32, 64, 8, 1), (16, 64, 4, 2),
-             (32, 32, 8, 2)],
+             (32, 32, 8, 2), (32, 32, 4, 2)],
+}
+# The warp-specialised Gluon forward (AttentionConfig.kernel "gluon" / "gluon_pingpong"; sm_90 with
+# Triton 3.6, the TMA kernels' problems): (block_m = 2 x rows per consumer warpgroup, block_n,
+# stages, ping-pong), from the H100 sweep of stop 10 (NOTES.md). 256-row tiles spill at D 128.
+GLUON_CANDIDATES = {
+    64: [(128, 128, 2, True), (128, 128, 3, True), (128, 128, 4, True), (256, 64, 3, True),
+         (256, 64, 4, True), (128, 128, 2, False)],
+    128: [(128, 128, 2, True), (128, 128, 2, False), (128, 128, 3, True), (128, 64, 4, True),
+          (128, 64, 4, False)],
+}
+# The warp-specialised Gluon backward (AttentionConfig.kernel "gluon" / "gluon_dq_writer"; same
+# platform and problems): (block_m queries per step, block_n keys per program, stages, dQ writer
+# warp), variants of attention_bwd_gluon.VARIANTS (H100 sweep, stop 10).
+GLUON_BWD_CANDIDATES = [(64, 128, 2, True), (64, 128, 2, False), (64, 128, 3, False)]
+# The atomic-free backward pair (AttentionConfig.kernel "two_kernel") for head dims whose atomic
+# kernel is register- and dQ-atomic-bound (H100, D 256: 182-187 vs 158-167 TFLOP/s; NOTES.md,
+# stop 10). Both kernels of the pair run with the same tiles.
+TWO_KERNEL_CANDIDATES = {
+    "large": [(64, 64, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2)],
+    "d256": [(64, 64, 8, 2), (64, 64, 8, 1), (32, 64, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2)],
 }
 
 
@@ -96,6 +120,8 @@ def _family(dbucket: int) -> str:
 
 
 def candidates(kernel: str, dbucket: int, mask: str, smem_limit: int) -> list[tuple]:
+    import torch
+
     from .kernels import attention as A
 
     base = (FWD_CANDIDATES if kernel == "fwd" else BWD_CANDIDATES)[_family(dbucket)]
@@ -110,7 +136,25 @@ def candidates(kernel: str, dbucket: int, mask: str, smem_limit: int) -> list[tu
                 out.append(tuple(cfg))
     if mask == "none" and d in A._TMA_HEAD_DIMS:
         for bm, bn, w, s in TMA_CANDIDATES[kernel]:
-            cfg = A.AttentionConfig(bm, bn, w, s, False, True)
+            cfg = A.AttentionConfig(bm, bn, w, s, False, "tma")
+            if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+                out.append(tuple(cfg))
+    if kernel == "fwd" and mask == "none" and d in GLUON_CANDIDATES and A.gluon_fwd.GLUON_AVAILABLE \
+            and torch.cuda.get_device_capability() == (9, 0):
+        for bm, bn, s, pingpong in GLUON_CANDIDATES[d]:
+            cfg = A.AttentionConfig(bm, bn, 4, s, False, "gluon_pingpong" if pingpong else "gluon")
+            if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+                out.append(tuple(cfg))
+    if kernel == "bwd" and mask == "none" and d in A._TMA_HEAD_DIMS \
+            and A.gluon_bwd.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0):
+        for bm, bn, s, writer in GLUON_BWD_CANDIDATES:
+            cfg = A.AttentionConfig(bm, bn, 8, s, False, "gluon_dq_writer" if writer else "gluon")
+            if A._gluon_bwd_variant(cfg) in A.gluon_bwd.VARIANTS and \
+                    A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+                out.append(tuple(cfg))
+    if kernel == "bwd":  # the pair reads whole head dims (split_d does not apply)
+        for bm, bn, w, s in TWO_KERNEL_CANDIDATES.get(_family(dbucket), ()):
+            cfg = A.AttentionConfig(bm, bn, w, s, False, "two_kernel")
             if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
     return out
@@ -503,7 +547,7 @@ def tune(args) -> int:
         ms, cfg = min(rows)
         kernel, db, causal, mask = grp
         key = tuning.make_key(kernel, TUNE_DTYPE, db, causal, mask, L)
-        entries[key] = [*cfg[:4], int(cfg[4]), "tuned"] + (["tma"] if cfg[5] else [])
+        entries[key] = [*cfg[:4], int(cfg[4]), "tuned"] + _kernel_marker(cfg[5])
         shp = _timing_shape(db, L)
         summary.append((key, cfg, ms, _flops(kernel, shp["B"], shp["H"], L, shp["D"], causal)
                         / ms / 1e9))
@@ -525,7 +569,7 @@ def tune(args) -> int:
     print("|---|---|---|---|")
     for key, cfg, ms, tf in sorted(summary):
         print(f"| {key} | {cfg[0]} {cfg[1]} {cfg[2]} {cfg[3]} {int(cfg[4])} "
-              f"{'tma' if cfg[5] else 'general'} | {ms:.3f} | {tf:.0f} |")
+              f"{cfg[5]} | {ms:.3f} | {tf:.0f} |")
     if log:
         log.close()
     return 0
@@ -571,14 +615,15 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
     for key in tuning.all_keys():
         p = tuning.parse_key(key)
         got = resolved(key)
-        if got is not None and len(got[0]) == 7 and not tuning.tma_key(key):
-            got = None  # a TMA-kernel entry cannot serve a key that kernel does not cover
+        if got is not None and len(got[0]) == 7 and not tuning.kernel_covers(got[0][6], key):
+            got = None  # e.g. a TMA-kernel entry on a key that kernel does not cover
         d = REPRESENTATIVE_D[p["dbucket"]]
         bias_elt = {"none": 0, "bool": 1, "float": 4}[p["mask"]]
         elt = 4 if p["dtype"] == "fp32" else 2
         if got is not None:
             entry, src = got
-            cfg = A.AttentionConfig(*entry[:4], bool(entry[4]), len(entry) == 7)
+            cfg = A.AttentionConfig(*entry[:4], bool(entry[4]),
+                                    entry[6] if len(entry) == 7 else "general")
             src = "tuned" if src == key else f"from:{src}"
         else:
             dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[p["dtype"]]
@@ -589,8 +634,13 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
         while src != "tuned" and cfg.num_stages > 1 and \
                 A._smem_estimate(p["kernel"], cfg, d, d, elt, bias_elt) > smem_limit:
             cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-        out[key] = [*cfg[:4], int(cfg.split_d), src] + (["tma"] if cfg.tma else [])
+        out[key] = [*cfg[:4], int(cfg.split_d), src] + _kernel_marker(cfg.kernel)
     return out
+
+
+def _kernel_marker(kernel: str) -> list:
+    """An entry's optional 7th element (kernels/tuning.py)."""
+    return [] if kernel == "general" else [kernel]
 
 
 def write_table(path: Path, table: dict) -> None:

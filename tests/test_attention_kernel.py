@@ -108,7 +108,7 @@ def check_close(name, actual, expected, tol, nan_rows=None):
 
 def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False,
              dout_kind="dense", need_dbias=False, config=None, scale=None, edit_bias=None,
-             deterministic=False, group_split=None):
+             deterministic=False, group_split=None, config_bwd=None):
     torch.manual_seed(1234)
     scale = D ** -0.5 if scale is None else scale
     q, k, v = make_qkv(B, Hq, Hkv, Lq, Lk, D, Dv, dtype, transposed)
@@ -130,8 +130,11 @@ def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False
     ref_out.backward(dout.double())
 
     cfg_f = cfg_b = None
-    if config is not None:
-        cfg_f = cfg_b = attn.AttentionConfig(*config)
+    if config is not None:  # a forward-only kernel's config leaves the backward to the table
+        cfg_f = attn.AttentionConfig(*config)
+        cfg_b = cfg_f if cfg_f.kernel in attn._KERNELS_OF["bwd"] else None
+    if config_bwd is not None:
+        cfg_b = attn.AttentionConfig(*config_bwd)
     out, lse = attn.attention_forward(q, k, v, bias_t, is_causal=causal, scale=scale, config=cfg_f)
     assert out.shape == (B, Hq, Lq, Dv) and out.dtype == dtype and out.is_contiguous()
     assert lse.shape == (B, Hq, Lq) and lse.dtype == torch.float32 and lse.is_contiguous()
@@ -325,6 +328,37 @@ def test_deterministic_flag_picks_atomic_free_path(monkeypatch, D):
         assert rel_err(a, b) < 2e-3
 
 
+def test_two_kernel_config_runs_the_atomic_free_pair(monkeypatch):
+    """A "two_kernel" config (user-given or a table entry) runs the atomic-free pair outside
+    deterministic mode too, with the same gradients; the forward refuses it by name."""
+    spies = {n: _LaunchSpy(getattr(attn, n)) for n in
+             ("attention_bwd_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel")}
+    for n, spy in spies.items():
+        monkeypatch.setattr(attn, n, spy)
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, 4, 2, 40, 40, 32, 32, torch.bfloat16, False)
+    dout = torch.randn_like(q)
+    out, lse = attn.attention_forward(q, k, v, None, is_causal=True, scale=0.2)
+    two = attn.AttentionConfig(16, 32, 4, 1, False, "two_kernel")
+    atomic = attn.attention_backward(dout, q, k, v, None, out, lse, is_causal=True, scale=0.2,
+                                     need_dbias=False, deterministic=False)[:3]
+    assert [s.launches for s in spies.values()] == [1, 0, 0]
+    got = attn.attention_backward(dout, q, k, v, None, out, lse, is_causal=True, scale=0.2,
+                                  need_dbias=False, config=two, deterministic=False)[:3]
+    assert [s.launches for s in spies.values()] == [1, 1, 1]
+    monkeypatch.setattr(attn, "_pick_config", lambda *a: two)
+    table = attn.attention_backward(dout, q, k, v, None, out, lse, is_causal=True, scale=0.2,
+                                    need_dbias=False, deterministic=False)[:3]
+    assert [s.launches for s in spies.values()] == [1, 2, 2]
+    for a, b, c in zip(atomic, got, table):
+        assert rel_err(b, a) < 1e-2 and torch.equal(b, c)
+    with pytest.raises(ValueError, match="'two_kernel' is not a fwd kernel"):
+        attn.attention_forward(q, k, v, None, is_causal=True, scale=0.2, config=two)
+    with pytest.raises(ValueError, match="config kernel must be one of"):
+        attn.attention_forward(q, k, v, None, is_causal=True, scale=0.2,
+                               config=(16, 32, 4, 1, False, True))
+
+
 class torch_deterministic:
     def __init__(self, on):
         self.on = on
@@ -386,19 +420,19 @@ TMA_CASES = {
     # GQA, causal, partial last blocks, HF's transposed (B, L, H, D) layout.
     "bf16-d64-gqa-causal-transposed": dict(
         dtype=torch.bfloat16, B=1, Hq=4, Hkv=2, Lq=70, Lk=70, D=64, Dv=64, causal=True,
-        bias=None, transposed=True, config=(32, 16, 4, 1, False, True)),
+        bias=None, transposed=True, config=(32, 16, 4, 1, False, "tma")),
     # Full attention, Lq < Lk, MQA with the group shared over 2 programs, D 128.
     "fp16-d128-mqa-full-lq-lt-lk-split": dict(
         dtype=torch.float16, B=2, Hq=2, Hkv=1, Lq=17, Lk=40, D=128, Dv=128, causal=False,
-        bias=None, config=(16, 16, 4, 1, False, True), group_split=2),
+        bias=None, config=(16, 16, 4, 1, False, "tma"), group_split=2),
     # Causal with Lq > Lk: rows past the last key see every key (top-left alignment).
     "bf16-d128-causal-lq-gt-lk": dict(
         dtype=torch.bfloat16, B=1, Hq=2, Hkv=2, Lq=40, Lk=17, D=128, Dv=128, causal=True,
-        bias=None, config=(16, 32, 4, 1, False, True)),
+        bias=None, config=(16, 32, 4, 1, False, "tma")),
     # One query, one key.
     "fp16-d64-single": dict(
         dtype=torch.float16, B=2, Hq=2, Hkv=1, Lq=1, Lk=1, D=64, Dv=64, causal=True,
-        bias=None, config=(16, 16, 4, 1, False, True)),
+        bias=None, config=(16, 16, 4, 1, False, "tma")),
 }
 
 
@@ -427,11 +461,110 @@ def test_tma_kernels_match_reference(monkeypatch, case):
     assert spies["attention_bwd_tma_kernel"].launches == 1
 
 
+def _gluon_why_not() -> str | None:
+    if not torch.cuda.is_available():
+        return "the Gluon kernels need a CUDA GPU (sm_90 with Triton 3.6); CI runs on the CPU"
+    if not attn.gluon_fwd.GLUON_AVAILABLE:
+        return attn.gluon_fwd._GLUON_WHY_NOT
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the Gluon kernels run on sm_90 (Hopper) only"
+    return None
+
+
+GLUON_CONFIGS = {"pingpong-128x128-2": (128, 128, 4, 2, False, "gluon_pingpong"),
+                 "128x64-4": (128, 64, 4, 4, False, "gluon")}
+GLUON_BWD_CONFIGS = {"dq-writer-64x128-2": (64, 128, 8, 2, False, "gluon_dq_writer"),
+                     "64x128-2": (64, 128, 8, 2, False, "gluon")}
+
+
+@pytest.mark.skipif(_gluon_why_not() is not None, reason=str(_gluon_why_not()))
+@pytest.mark.parametrize("cfg", list(GLUON_CONFIGS.values()), ids=list(GLUON_CONFIGS))
+@pytest.mark.parametrize("case", list(TMA_CASES.values()), ids=list(TMA_CASES))
+def test_gluon_forward_matches_reference(monkeypatch, case, cfg):
+    """The warp-specialised Gluon forward on the TMA kernels' cases (GQA, transposed layout,
+    Lq != Lk both ways, one query), its outputs poisoned with NaN beforehand (an unwritten
+    element fails); the backward runs from its out / lse."""
+    monkeypatch.setattr(attn, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
+    spy = _LaunchSpy(attn.gluon_fwd.attention_fwd_gluon_kernel)
+    monkeypatch.setattr(attn.gluon_fwd, "attention_fwd_gluon_kernel", spy)
+    run_case(**(case | dict(config=cfg)))
+    assert spy.launches == 1
+
+
+@pytest.mark.skipif(_gluon_why_not() is not None, reason=str(_gluon_why_not()))
+@pytest.mark.parametrize("cfg", list(GLUON_BWD_CONFIGS.values()), ids=list(GLUON_BWD_CONFIGS))
+@pytest.mark.parametrize("case", list(TMA_CASES.values()), ids=list(TMA_CASES))
+def test_gluon_backward_matches_reference(monkeypatch, case, cfg):
+    """The warp-specialised Gluon backward on the TMA kernels' cases (the forward from the
+    table), outputs poisoned with NaN beforehand."""
+    spy = _LaunchSpy(attn.gluon_bwd._attn_bwd_ws_kernel)
+    monkeypatch.setattr(attn.gluon_bwd, "_attn_bwd_ws_kernel", spy)
+    launcher = attn.gluon_bwd.attention_backward_gluon
+    monkeypatch.setattr(attn.gluon_bwd, "attention_backward_gluon",
+                        lambda *a, **kw: launcher(*a, **kw, poison=True))
+    run_case(**(case | dict(config=None, config_bwd=cfg)))
+    assert spy.launches == 1
+
+
+def test_gluon_config_refused_or_replaced_where_it_cannot_run(monkeypatch):
+    """Where the Gluon forward cannot run (here: no sm_90 GPU with Triton 3.6, or a bias), a
+    user-given Gluon config is an error naming why and a table Gluon entry runs the TMA kernel
+    (same answer); a Gluon config for the backward or with other tiles is refused by name."""
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, 4, 2, 40, 40, 64, 64, torch.bfloat16, False)
+    gluon = attn.AttentionConfig(128, 128, 4, 2, False, "gluon_pingpong")
+    bias = torch.zeros(1, 1, 40, 40, device=DEVICE, dtype=torch.bfloat16).expand(1, 4, 40, 40)
+    cases = [(bias, "it takes no bias, dropout or rope")]
+    if _gluon_why_not() is not None:
+        cases.append((None, ""))
+    for b, why in cases:
+        with pytest.raises(ValueError, match="asks for the Gluon forward kernel, but " + why):
+            attn.attention_forward(q, k, v, b, is_causal=True, scale=0.125, config=gluon)
+    with pytest.raises(ValueError, match="block_m 128 or 256"):
+        attn.attention_forward(q, k, v, None, is_causal=True, scale=0.125,
+                               config=gluon._replace(block_m=64))
+    out, lse = attn.attention_forward(q, k, v, None, is_causal=True, scale=0.125)
+    with pytest.raises(ValueError, match="'gluon_pingpong' is not a bwd kernel"):
+        attn.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.125,
+                                need_dbias=False, config=gluon)
+    with pytest.raises(ValueError, match="'gluon_dq_writer' is not a fwd kernel"):
+        attn.attention_forward(q, k, v, None, is_causal=True, scale=0.125,
+                               config=gluon._replace(kernel="gluon_dq_writer"))
+    gluon_bwd = attn.AttentionConfig(64, 128, 8, 2, False, "gluon_dq_writer")
+    for b, why in cases:
+        with pytest.raises(ValueError, match="asks for the Gluon backward kernel, but " + why):
+            attn.attention_backward(out, q, k, v, b, out, lse, is_causal=True, scale=0.125,
+                                    need_dbias=False, config=gluon_bwd, deterministic=False)
+    with pytest.raises(ValueError, match="Gluon backward kernel, but it has no tiles m16n128s2w"):
+        attn.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.125,
+                                need_dbias=False, config=gluon_bwd._replace(block_m=16))
+    # Table path: a Gluon entry on a problem it cannot run -> the TMA kernel (no bias) or the
+    # general kernel (bias), both right.
+    monkeypatch.setattr(attn, "_pick_config", lambda *a: gluon)
+    spy = _LaunchSpy(attn.attention_fwd_tma_kernel)
+    monkeypatch.setattr(attn, "attention_fwd_tma_kernel", spy)
+    for b in (bias, None):
+        got, _ = attn.attention_forward(q, k, v, b, is_causal=True, scale=0.125)
+        want, _ = reference(q.double(), k.double(), v.double(),
+                            None if b is None else b.double(), True, 0.125)
+        assert rel_err(got, want) < 1e-2
+    assert spy.launches == (1 if _gluon_why_not() is not None else 0)
+    # ... and a Gluon backward entry on a problem it cannot run -> the general kernel.
+    monkeypatch.setattr(attn, "_pick_config", lambda *a: gluon_bwd)
+    general = attn.attention_backward(out, q, k, v, bias, out, lse, is_causal=True, scale=0.125,
+                                      need_dbias=False, deterministic=False)[:3]
+    want = attn.attention_backward(out, q, k, v, bias, out, lse, is_causal=True, scale=0.125,
+                                   need_dbias=False, deterministic=False,
+                                   config=attn._backward_config(64, 64, torch.bfloat16))[:3]
+    assert all(torch.equal(a, b) for a, b in zip(general, want))
+
+
 def test_tma_kernels_refuse_what_they_do_not_cover(monkeypatch):
     """A user-given TMA config on a problem the kernel does not cover is an error naming why;
     a table TMA entry on such a problem falls back to the general kernel (still correct)."""
     torch.manual_seed(0)
-    tma = attn.AttentionConfig(16, 16, 4, 1, False, True)
+    tma = attn.AttentionConfig(16, 16, 4, 1, False, "tma")
     q, k, v = make_qkv(1, 2, 2, 20, 20, 64, 64, torch.float16, False)
     bias = torch.zeros(1, 2, 20, 20, device=DEVICE, dtype=torch.float16)
     for args, match in (

@@ -45,10 +45,10 @@ def test_entries_well_formed(table):
             cfg = tuning.entry_to_config(entry)
             assert cfg is not None, (key, entry)
             assert len(entry) in (6, 7) and entry[4] in (0, 1), (key, entry)
-            bm, bn, w, s, split, tma = cfg
+            bm, bn, w, s, split, kernel = cfg
             # a TMA-kernel entry only where that kernel covers the problems (else it would
-            # fall back to heuristic tiles at every call)
-            assert not tma or tuning.tma_key(key), (key, entry)
+            # fall back to heuristic tiles at every call); the atomic-free pair on bwd keys only
+            assert tuning.kernel_covers(kernel, key), (key, entry)
             assert bm <= 128 and bn <= 128 and w in (4, 8) and 1 <= s <= 5, (key, entry)
             src = entry[5]
             assert src in ("tuned", "heuristic") or src.startswith("from:"), (key, src)
@@ -138,6 +138,23 @@ def test_fill_table_keeps_tma_entries_where_the_kernels_cover_the_key():
         entry = table[f"fwd|bf16|d128|causal|{mask}|n4096"]
         assert entry[5] == "heuristic" and len(entry) == 6, entry
     assert all(len(e) == 6 or tuning.tma_key(k) for k, e in table.items())
-    assert tuning.entry_to_config([128, 64, 4, 2, 0, "tuned", "tma"])[5] is True
-    assert tuning.entry_to_config([128, 64, 4, 2, 0, "tuned"])[5] is False
+    assert tuning.entry_to_config([128, 64, 4, 2, 0, "tuned", "tma"])[5] == "tma"
+    assert tuning.entry_to_config([128, 64, 4, 2, 0, "tuned"])[5] == "general"
     assert tuning.entry_to_config([128, 64, 4, 2, 0, "tuned", "fast"]) is None
+
+
+def test_fill_table_keeps_two_kernel_entries_on_backward_keys():
+    """A "two_kernel" winner (the atomic-free backward pair) is copied to the backward keys it
+    can serve (fp16, other length buckets, mask keys: the pair takes any mask), never to a
+    forward key."""
+    from fuse_plugin import tune
+
+    key = "bwd|bf16|d256|causal|none|n4096"
+    table = tune.fill_table({key: [64, 64, 8, 2, 0, "tuned", "two_kernel"]}, H100_SMEM)
+    assert table[key] == [64, 64, 8, 2, 0, "tuned", "two_kernel"]
+    assert table["bwd|fp16|d256|causal|none|n4096"][-1] == "two_kernel"
+    assert table["bwd|bf16|d256|causal|float|n16384"][-1] == "two_kernel"
+    assert all(tuning.kernel_covers(e[6], k) for k, e in table.items() if len(e) == 7)
+    assert not any(k.startswith("fwd") and len(e) == 7 and e[6] == "two_kernel"
+                   for k, e in table.items())
+    assert tuning.entry_to_config([64, 64, 8, 2, 0, "tuned", "two_kernel"])[5] == "two_kernel"

@@ -19,8 +19,11 @@ Keys (``make_key``)::
 
 An entry is ``[block_m, block_n, num_warps, num_stages, split_d, source]`` where source says how
 it was obtained (``tuned``, ``from:<key>`` for a copy of a tuned sibling, ``heuristic``),
-optionally followed by ``"tma"``: an entry that runs the Hopper TMA kernels
-(``AttentionConfig.tma``; only on keys they cover: no mask, fp16/bf16, d64/d128).
+optionally followed by the kernel family when it is not the general one
+(``AttentionConfig.kernel``): ``"tma"``, the Hopper TMA kernels (only on keys they cover: no mask,
+fp16/bf16, d64/d128), ``"two_kernel"``, the atomic-free backward pair (backward keys only), or
+``"gluon"`` / ``"gluon_pingpong"`` (forward) and ``"gluon"`` / ``"gluon_dq_writer"`` (backward),
+the warp-specialised Gluon kernels (the TMA kernels' keys).
 Set ``FUSE_PLUGIN_ATTENTION_TABLE`` to a JSON path to use another table file, or to ``off`` to
 use the heuristic tiles only.
 """
@@ -90,8 +93,12 @@ def load_table(path) -> Optional[dict]:
     return table
 
 
+# The optional 7th element of an entry (AttentionConfig.kernel when not "general").
+ENTRY_KERNELS = ("tma", "two_kernel", "gluon", "gluon_pingpong", "gluon_dq_writer")
+
+
 def entry_to_config(entry) -> Optional[tuple]:
-    """(block_m, block_n, num_warps, num_stages, split_d, tma) of a well-formed entry, else
+    """(block_m, block_n, num_warps, num_stages, split_d, kernel) of a well-formed entry, else
     None."""
     try:
         bm, bn, w, s, split = (int(x) for x in entry[:5])
@@ -100,15 +107,30 @@ def entry_to_config(entry) -> Optional[tuple]:
     pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731
     if not (pow2(bm) and pow2(bn) and w in (1, 2, 4, 8, 16) and s >= 1):
         return None
-    if len(entry) > 7 or (len(entry) == 7 and entry[6] != "tma"):
+    if len(entry) > 7 or (len(entry) == 7 and entry[6] not in ENTRY_KERNELS):
         return None
-    return bm, bn, w, s, bool(split), len(entry) == 7
+    return bm, bn, w, s, bool(split), entry[6] if len(entry) == 7 else "general"
 
 
 def tma_key(key: str) -> bool:
     """Whether the TMA kernels cover a key's problems (see attention._tma_ineligible)."""
     p = parse_key(key)
     return p["dtype"] in ("fp16", "bf16") and p["mask"] == "none" and p["dbucket"] in (64, 128)
+
+
+def kernel_covers(kernel: str, key: str) -> bool:
+    """Whether an entry of kernel family ``kernel`` may serve ``key``."""
+    if kernel == "tma":
+        return tma_key(key)
+    if kernel == "two_kernel":
+        return parse_key(key)["kernel"] == "bwd"
+    if kernel == "gluon":
+        return tma_key(key)
+    if kernel == "gluon_pingpong":
+        return tma_key(key) and parse_key(key)["kernel"] == "fwd"
+    if kernel == "gluon_dq_writer":
+        return tma_key(key) and parse_key(key)["kernel"] == "bwd"
+    return True
 
 
 def select_gpu(table: dict, name: str) -> Optional[dict]:
