@@ -12,7 +12,7 @@ sets of other GPU names already in that file. Steps:
    128 also try the Hopper TMA kernels' tiles (``TMA_CANDIDATES``; written as entries ending in
    ``"tma"``) and, on sm_90 with Triton 3.6, the warp-specialised Gluon kernels' (forward
    ``GLUON_CANDIDATES``: ``"gluon"`` / ``"gluon_pingpong"``; backward ``GLUON_BWD_CANDIDATES``:
-   ``"gluon"`` / ``"gluon_dq_writer"``); the backward of large head dims
+   ``"gluon"`` / ``"gluon_lpt"``); the backward of large head dims
    tries the atomic-free pair's (``TWO_KERNEL_CANDIDATES``; entries ending in ``"two_kernel"``).
 2. Compile + validate, in parallel worker processes (each a fresh CUDA context, so a crash costs
    one candidate): every candidate runs forward or backward on odd lengths (397 x 397, GQA 4/2)
@@ -94,10 +94,10 @@ GLUON_CANDIDATES = {
     128: [(128, 128, 2, True), (128, 128, 2, False), (128, 128, 3, True), (128, 64, 4, True),
           (128, 64, 4, False)],
 }
-# The warp-specialised Gluon backward (AttentionConfig.kernel "gluon" / "gluon_dq_writer"; same
-# platform and problems): (block_m queries per step, block_n keys per program, stages, dQ writer
-# warp), variants of attention_bwd_gluon.VARIANTS (H100 sweep, stop 10).
-GLUON_BWD_CANDIDATES = [(64, 128, 2, True), (64, 128, 2, False), (64, 128, 3, False)]
+# The warp-specialised Gluon backward (AttentionConfig.kernel "gluon" / "gluon_lpt"; same platform
+# and problems): (block_m queries per step, block_n keys per program, stages, LPT order), the
+# variants of attention_bwd_gluon.VARIANTS (H100 sweeps, stop 10).
+GLUON_BWD_CANDIDATES = [(64, 128, 2, False), (64, 128, 2, True)]
 # The atomic-free backward pair (AttentionConfig.kernel "two_kernel") for head dims whose atomic
 # kernel is register- and dQ-atomic-bound (H100, D 256: 182-187 vs 158-167 TFLOP/s; NOTES.md,
 # stop 10). Both kernels of the pair run with the same tiles.
@@ -147,8 +147,8 @@ def candidates(kernel: str, dbucket: int, mask: str, smem_limit: int) -> list[tu
                 out.append(tuple(cfg))
     if kernel == "bwd" and mask == "none" and d in A._TMA_HEAD_DIMS \
             and A.gluon_bwd.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0):
-        for bm, bn, s, writer in GLUON_BWD_CANDIDATES:
-            cfg = A.AttentionConfig(bm, bn, 8, s, False, "gluon_dq_writer" if writer else "gluon")
+        for bm, bn, s, lpt in GLUON_BWD_CANDIDATES:
+            cfg = A.AttentionConfig(bm, bn, 8, s, False, "gluon_lpt" if lpt else "gluon")
             if A._gluon_bwd_variant(cfg) in A.gluon_bwd.VARIANTS and \
                     A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))

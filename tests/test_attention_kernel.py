@@ -473,8 +473,8 @@ def _gluon_why_not() -> str | None:
 
 GLUON_CONFIGS = {"pingpong-128x128-2": (128, 128, 4, 2, False, "gluon_pingpong"),
                  "128x64-4": (128, 64, 4, 4, False, "gluon")}
-GLUON_BWD_CONFIGS = {"dq-writer-64x128-2": (64, 128, 8, 2, False, "gluon_dq_writer"),
-                     "64x128-2": (64, 128, 8, 2, False, "gluon")}
+GLUON_BWD_CONFIGS = {"64x128-2": (64, 128, 8, 2, False, "gluon"),
+                     "lpt-64x128-2": (64, 128, 8, 2, False, "gluon_lpt")}
 
 
 @pytest.mark.skipif(_gluon_why_not() is not None, reason=str(_gluon_why_not()))
@@ -528,15 +528,15 @@ def test_gluon_config_refused_or_replaced_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="'gluon_pingpong' is not a bwd kernel"):
         attn.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.125,
                                 need_dbias=False, config=gluon)
-    with pytest.raises(ValueError, match="'gluon_dq_writer' is not a fwd kernel"):
+    with pytest.raises(ValueError, match="'gluon_lpt' is not a fwd kernel"):
         attn.attention_forward(q, k, v, None, is_causal=True, scale=0.125,
-                               config=gluon._replace(kernel="gluon_dq_writer"))
-    gluon_bwd = attn.AttentionConfig(64, 128, 8, 2, False, "gluon_dq_writer")
+                               config=gluon._replace(kernel="gluon_lpt"))
+    gluon_bwd = attn.AttentionConfig(64, 128, 8, 2, False, "gluon_lpt")
     for b, why in cases:
         with pytest.raises(ValueError, match="asks for the Gluon backward kernel, but " + why):
             attn.attention_backward(out, q, k, v, b, out, lse, is_causal=True, scale=0.125,
                                     need_dbias=False, config=gluon_bwd, deterministic=False)
-    with pytest.raises(ValueError, match="Gluon backward kernel, but it has no tiles m16n128s2w"):
+    with pytest.raises(ValueError, match="Gluon backward kernel, but it has no tiles m16n128s2xl"):
         attn.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.125,
                                 need_dbias=False, config=gluon_bwd._replace(block_m=16))
     # Table path: a Gluon entry on a problem it cannot run -> the TMA kernel (no bias) or the

@@ -147,12 +147,13 @@ class AttentionConfig(NamedTuple):
       ``_pingpong`` form makes the two consumers take turns on the tensor cores. A table entry
       falls back to the TMA kernel (then the general one) where it does not apply, a
       user-given config raises;
-    * ``"gluon"`` / ``"gluon_dq_writer"`` (backward): the warp-specialised Hopper backward
+    * ``"gluon"`` / ``"gluon_lpt"`` (backward): the warp-specialised Hopper backward
       (attention_bwd_gluon.py, same problems and platform; not in deterministic mode: dQ is
       added atomically) with ``block_n`` keys per program (two consumer warpgroups),
       ``block_m`` queries per step and ``num_stages`` Q/dO buffers, one of its compiled
-      ``VARIANTS``; ``_dq_writer``: a dedicated warp issues the dQ atomics. A table entry falls
-      back to the general kernel's heuristic tiles where it does not apply."""
+      ``VARIANTS``; ``_lpt``: causal key blocks started heaviest first within L2-sized
+      sections. A table entry falls back to the general kernel's heuristic tiles where it does
+      not apply."""
 
     block_m: int  # query rows per tile (power of 2, >= 16)
     block_n: int  # key rows per tile (power of 2, >= 16)
@@ -166,11 +167,11 @@ class AttentionConfig(NamedTuple):
         return self.kernel == "tma"
 
 
-KERNEL_VARIANTS = ("general", "tma", "two_kernel", "gluon", "gluon_pingpong", "gluon_dq_writer")
+KERNEL_VARIANTS = ("general", "tma", "two_kernel", "gluon", "gluon_pingpong", "gluon_lpt")
 _GLUON_KERNELS = ("gluon", "gluon_pingpong")
-_GLUON_BWD_KERNELS = ("gluon", "gluon_dq_writer")
+_GLUON_BWD_KERNELS = ("gluon", "gluon_lpt")
 _KERNELS_OF = {"fwd": ("general", "tma", "gluon", "gluon_pingpong"),
-               "bwd": ("general", "tma", "two_kernel", "gluon", "gluon_dq_writer")}
+               "bwd": ("general", "tma", "two_kernel", "gluon", "gluon_lpt")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -619,8 +620,8 @@ def _gluon_bwd_ineligible(q, k, v, out, dout, kind, rope_consts, dropout, is_cau
 
 def _gluon_bwd_variant(cfg: AttentionConfig) -> str:
     """The Gluon backward's variant name of a config (attention_bwd_gluon.VARIANTS)."""
-    writer = "w" if cfg.kernel == "gluon_dq_writer" else ""
-    return f"m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}{writer}"
+    lpt = "l" if cfg.kernel == "gluon_lpt" else ""
+    return f"m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}x{lpt}"
 
 
 # The TMA forward's tuned D 128 tiles (H100, stop 9): where a Gluon table entry cannot run.
@@ -782,7 +783,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         if why_not is None:
             dq, dk, dv = gluon_bwd.attention_backward_gluon(dout, q, k, v, out, lse,
                                                             is_causal=is_causal, scale=scale,
-                                                            variant=variant)
+                                                            variant=variant,
+                                                            group_split=group_split)
             return dq, dk, dv, None
         if user_given:
             raise ValueError(f"config {cfg} asks for the Gluon backward kernel, but {why_not}")

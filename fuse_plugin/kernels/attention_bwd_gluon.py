@@ -1,18 +1,22 @@
 """Hopper (sm_90) flash-attention backward written in Gluon with explicit warp specialisation.
 
-FA3-style design (one CTA per key block of BLOCK_N keys x kv head x batch):
+FA3-style design (one CTA per key block of BLOCK_N keys x kv head x batch x share of the GQA group):
 
 * Partitions (``gl.warp_specialize``):
   - default partition = the MMA consumers, ``num_warps`` = 8 (two warpgroups). Every [BLOCK_N, *]
     wgmma is split by rows over the two warpgroups (warps_per_cta [8, 1]), so each warpgroup owns
     BLOCK_N / 2 keys, FA3's "2 consumer warpgroups, 64 keys each".
-  - worker 0 = TMA producer (1 warp, few registers): loads K and V once, then streams the Q and dO
-    tiles of every query block (of every query head of the GQA group) through a STAGES-deep
+  - worker 0 = TMA producer (1 warp): loads K and V once, then streams the Q and dO tiles of every
+    query block (of every query head of its share of the GQA group) through a STAGES-deep
     mbarrier ring (ready: TMA transaction count; empty: released by the consumers once the
     wgmmas that read the stage have retired).
-  - worker 1 (only ``DQ_MODE == 1``) = dQ writer (1 warp): the consumers park each fp32 dQ tile in
-    shared memory (2 buffers) and this warp adds it to global memory with fp32 atomics, so the
-    atomics never sit on the MMA warps' critical path.
+  - worker 1 = dQ writer (1 warp): the consumers park each fp32 dQ tile in shared memory
+    (2 buffers) and this warp adds it to global memory with fp32 atomics, so the atomics never
+    sit on the MMA warps' critical path.
+  Workers get 24 registers at D128 (the consumers keep 240; with 32-register workers they get
+  232 and ptxas serialises every wgmma of the causal / masked-key specialisations, C7512), 32 at
+  D64 (the writer would spill at 24; the consumers have room anyway).
+  ``.devrun/gluon_bwd_compile.py`` reports registers, spills and C7512 per specialisation.
 * Per query block (BLOCK_M queries), in the consumer warpgroups (transposed formulation, keys are
   the M dimension of every wgmma):
     S^T  = K Q^T            (smem x smem, async)       P^T  = exp2(S^T * scale*log2e - lse2)
@@ -20,9 +24,9 @@ FA3-style design (one CTA per key block of BLOCK_N keys x kv head x batch):
     dV  += P^T dO           (registers x smem, async)  dK  += dS^T Q (registers x smem, async)
     dS^T -> shared memory,  dQ = dS K = (dS^T)^T K     (smem (transposed view) x smem, async)
   The dV wgmma is issued before dS is computed, the dK / dQ wgmmas are in flight together.
-* dQ: fp32 atomics (relaxed) into a zeroed (B, Hq, LQ_PAD, D) fp32 buffer padded to whole query
-  blocks, so no row mask is needed and no neighbouring head is touched; a small Triton kernel
-  scales by ``scale`` and casts into dq (any strides).
+* dQ: fp32 atomics (relaxed, by the writer warp) into a zeroed (B, Hq, LQ_PAD, D) fp32 buffer
+  padded to whole query blocks, so no row mask is needed and no neighbouring head is touched; a
+  small Triton kernel scales by ``scale`` and casts into dq (any strides).
 * Preprocess (plain Triton): Delta = rowsum(dO * O) and lse2 = lse * log2(e) into padded
   (B, Hq, LQ_PAD) fp32 buffers (padding rows: Delta 0, lse2 +inf so P = 0 exactly there), and
   zeroes the dQ accumulator.
@@ -30,6 +34,19 @@ FA3-style design (one CTA per key block of BLOCK_N keys x kv head x batch):
   [1, 1, rows, D]) over the real tensors, so out-of-range rows read as zeros and never come from
   the neighbouring head; the dK/dV TMA stores are clipped the same way. Keys >= Lk are masked
   out of P (when Lk % BLOCK_N != 0) so no inf * 0 can reach dQ.
+
+Grid: 1-D, one program per (key block, b, kv head, share of the GQA group). ``group_split`` S > 1
+shares each group's Hq/Hkv query heads over S programs (more, shorter CTAs for GQA); their dK / dV
+go out as fp32 per-share partials, summed and cast by a small Triton kernel
+(``_gluon_bwd_split_sum``). Variants: ``m64n128s2x`` (default) runs the programs row-major, key
+block fastest; ``m64n128s2xl`` orders causal launches LPT, heaviest key block first, inside
+sections of rows whose Q / dO / dQ accumulator fit ``LPT_MB`` MiB of L2 (non-causal ones as x).
+
+Measured (H100, stop 10): kept x (consumer registers 240: without it ptxas serialised every
+wgmma, warning C7512) and xl (LPT order of key blocks, L2 sections). Lost: consumers issuing the
+dQ atomics themselves (no writer warp) -10-20%, dS from the rounded P -7-15%, 3 stages no gain,
+pure LPT without L2 sections -25% on causal, dK/dV partial sums by atomics instead of a sum
+kernel -2-5%.
 
 Semantics: top-left causal (key j visible to query i iff j <= i), also for Lq != Lk; GQA with
 query head h -> kv head h // (Hq // Hkv); bf16 / fp16; D in {64, 128}; arbitrary strides with
@@ -80,43 +97,21 @@ _TESTED_TRITON = ("3.6", )  # Gluon changes between releases; other versions are
 # Variants: name -> launch knobs (per head dim). BLOCK_N is the key block of one CTA (rows of the
 # wgmmas, split over the two consumer warpgroups), BLOCK_M the query block of one iteration.
 # ----------------------------------------------------------------------------------------------
+# Worker (producer, dQ writer) registers per head dim, see the module docstring. 12 warps: 8 consumer
+# warps + the worker warpgroup; MAXNREG 168 * 384 threads = 64512 <= 64K registers, and triton gives
+# the consumers what the workers leave (240 with 24-register workers, 232 with 32).
+_WORKER_REGS = {128: 24, 64: 32}
+_BASE = dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, PRODUCER_REGS=_WORKER_REGS, WRITER_PASSES=4, MAXNREG=168)
 VARIANTS = {
-    # FA3's D128 tiling: 128 keys (2 warpgroups x 64) x 64 queries, 2-stage Q/dO ring, dQ atomics
-    # issued by the consumer warps themselves.
-    "m64n128s2": dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE=0, DS_FROM_P16=False),
-    "m64n128s3": dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, DQ_MODE=0, DS_FROM_P16=False),
-    # dQ tile parked in shared memory (2 fp32 buffers), atomics issued by a dedicated writer warp.
-    "m64n128s2w": dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE=1, DS_FROM_P16=False),
-    # s2w with 24-register workers (PRODUCER_REGS; the dQ writer fits): the consumers keep 240
-    # registers instead of 232, which (ptxas, triton 3.6) stops the serialisation of every wgmma
-    # (ptxas C7512) that s2w suffers in its D128 causal / masked-key specialisations.
-    "m64n128s2x": dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE=1, DS_FROM_P16=False, PRODUCER_REGS=24),
+    # 128 keys (2 warpgroups x 64) x 64 queries per step, 2-stage Q/dO ring, dQ writer warp;
+    # programs row-major (key block fastest).
+    "m64n128s2x": dict(_BASE, LPT_MB=0),
     # s2x with causal LPT program order: sections of (b, kv head, share) rows whose Q / dO / dQ
-    # accumulator fit LPT_MB of L2, heaviest key blocks first inside a section ("l"), or one
-    # section for the whole grid ("g", pure LPT, no L2 grouping). Non-causal launches are unchanged.
-    "m64n128s2xl": dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE=1, DS_FROM_P16=False, PRODUCER_REGS=24,
-                        LPT_MB=32),
-    "m64n128s2xg": dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE=1, DS_FROM_P16=False, PRODUCER_REGS=24,
-                        LPT_MB=-1),
-    # s2x whose GQA group split adds fp32 dK / dV by atomics into one zeroed accumulator instead of
-    # storing per-share partials (less memory traffic in the final reduction).
-    "m64n128s2xa": dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE=1, DS_FROM_P16=False, PRODUCER_REGS=24,
-                        SPLIT_ATOMIC=True),
-    # dS from the bf16/fp16-rounded P (frees 32 registers per thread; dS is rounded anyway).
-    "m64n128s2p": dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE=0, DS_FROM_P16=True),
-    "m64n128s2wp": dict(BLOCK_M=64, BLOCK_N=128, STAGES=2, DQ_MODE=1, DS_FROM_P16=True),
-    "m64n128s3p": dict(BLOCK_M=64, BLOCK_N=128, STAGES=3, DQ_MODE=0, DS_FROM_P16=True),
+    # accumulator fit LPT_MB MiB of L2, heaviest key blocks first inside a section. Non-causal
+    # launches are the same as s2x.
+    "m64n128s2xl": dict(_BASE, LPT_MB=32),
 }
-for _v in VARIANTS.values():
-    # 12 warps: 8 consumer warps + the worker warpgroup. MAXNREG 168 * 384 threads = 64512 <= 64K
-    # registers; triton gives the consumers what the workers leave: 240 with 24-register workers
-    # (producer only), 232 with 32 (the dQ writer warp needs 32 to hold its addresses).
-    _v.setdefault("MAXNREG", 168)
-    _v.setdefault("PRODUCER_REGS", 32 if _v["DQ_MODE"] == 1 else 24)
-    _v.setdefault("WRITER_PASSES", 4)
-    _v.setdefault("LPT_MB", 0)  # 0: row-major order (key block fastest); -1: one LPT section
-    _v.setdefault("SPLIT_ATOMIC", False)
-DEFAULT_VARIANT = {128: "m64n128s2", 64: "m64n128s2"}
+DEFAULT_VARIANT = {128: "m64n128s2x", 64: "m64n128s2x"}
 VARIANT_HEAD_DIMS = {name: (64, 128) for name in VARIANTS}
 
 
@@ -205,7 +200,7 @@ if GLUON_AVAILABLE:
                   kv_bar, ready_bars, empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
                   off_b, off_hkv, h0, Hq, n_start, GS, m_start, n_m, LQ_PAD,  #
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,  #
-                  STAGES: gl.constexpr, DQ_MODE: gl.constexpr, WRITER_PASSES: gl.constexpr):
+                  STAGES: gl.constexpr, WRITER_PASSES: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         q_l4: gl.constexpr = q_desc.layout
         k_l4: gl.constexpr = k_desc.layout
@@ -241,7 +236,7 @@ if GLUON_AVAILABLE:
                    kv_bar, ready_bars, empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
                    off_b, off_hkv, h0, Hq, n_start, GS, m_start, n_m, LQ_PAD,  #
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,  #
-                   STAGES: gl.constexpr, DQ_MODE: gl.constexpr, WRITER_PASSES: gl.constexpr):
+                   STAGES: gl.constexpr, WRITER_PASSES: gl.constexpr):
         # 1 warp: 4 consecutive fp32 per thread (16-byte smem reads), HEAD_DIM/4 threads per row.
         TPR: gl.constexpr = HEAD_DIM // 4
         CH: gl.constexpr = 32 // TPR
@@ -267,11 +262,10 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, ready_bars, empty_bars,  #
-                  dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
-                  off_b, h0, Hq, n_start, GS, m_start, n_m, Lk, LQ_PAD, qk_scale,  #
+                  dq_smem, dq_ready, dq_empty,  #
+                  n_start, GS, m_start, n_m, Lk, qk_scale,  #
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,  #
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_K: gl.constexpr,  #
-                  DQ_MODE: gl.constexpr, DS_FROM_P16: gl.constexpr, num_warps: gl.constexpr):
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_K: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=_mma_warps(BLOCK_N, num_warps),
@@ -295,8 +289,6 @@ if GLUON_AVAILABLE:
         _mbarrier.wait(kv_bar, 0)
         t = 0
         for g in range(GS):
-            hq = h0 + g
-            head_base = dqacc_ptr + (off_b * Hq + hq).to(gl.int64) * LQ_PAD * HEAD_DIM
             for mi in range(m_start, n_m):
                 s = t % STAGES
                 m0 = mi * BLOCK_M
@@ -322,10 +314,7 @@ if GLUON_AVAILABLE:
                 dv = _wgmma(gl.convert_layout(pt16, a_layout), do_t, dv, is_async=True)
                 delta = delta_smem.index(s)._reinterpret(gl.float32, [BLOCK_M], vec_sl).load(col_layout)
                 dpt = _wgmma_wait(1, deps=(dpt, ))
-                if DS_FROM_P16:
-                    dst16 = (pt16.to(gl.float32) * (dpt - delta[None, :])).to(dtype)
-                else:
-                    dst16 = (pt * (dpt - delta[None, :])).to(dtype)
+                dst16 = (pt * (dpt - delta[None, :])).to(dtype)
                 dk = _wgmma(gl.convert_layout(dst16, a_layout), q_t, dk, is_async=True)
                 ds_smem.store(dst16)
                 _fence_async_shared()
@@ -335,17 +324,12 @@ if GLUON_AVAILABLE:
                 # before the single elected arrive releases the stage / the next dS store.
                 gl.thread_barrier()
                 _mbarrier.arrive(empty_bars.index(s))
-                if DQ_MODE == 0:
-                    dq_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-                    dq_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, dq_layout))
-                    gl.atomic_add(head_base + m0 * HEAD_DIM + dq_rows[:, None] * HEAD_DIM + dq_cols[None, :], dq,
-                                  sem="relaxed")
-                else:
-                    slot = t % 2
-                    _mbarrier.wait(dq_empty.index(slot), ((t // 2) & 1) ^ 1)
-                    dq_smem.index(slot).store(dq)
-                    gl.thread_barrier()  # every consumer thread's part of the tile is in smem
-                    _mbarrier.arrive(dq_ready.index(slot))
+                # dQ tile -> a free smem buffer, added to global memory by the writer warp.
+                slot = t % 2
+                _mbarrier.wait(dq_empty.index(slot), ((t // 2) & 1) ^ 1)
+                dq_smem.index(slot).store(dq)
+                gl.thread_barrier()  # every consumer thread's part of the tile is in smem
+                _mbarrier.arrive(dq_ready.index(slot))
                 t += 1
         return dk, dv
 
@@ -354,7 +338,7 @@ if GLUON_AVAILABLE:
                             dqacc_ptr, dkp_ptr, dvp_ptr, B, Hq, Hkv, Lq, Lk, LQ_PAD, SPLIT, SW, qk_scale, dk_scale,  #
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,  #
                             STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_K: gl.constexpr,  #
-                            DQ_MODE: gl.constexpr, DS_FROM_P16: gl.constexpr, PRODUCER_REGS: gl.constexpr,  #
+                            PRODUCER_REGS: gl.constexpr,  #
                             LPT: gl.constexpr, DKV_OUT: gl.constexpr, WRITER_PASSES: gl.constexpr,  #
                             num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
@@ -399,13 +383,10 @@ if GLUON_AVAILABLE:
         ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_sl)
         lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], lse_desc.layout)
         delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, 1, BLOCK_M], delta_desc.layout)
-        if DQ_MODE == 1:
-            # 4-row XOR swizzle of 16-byte groups: 2-way conflicts for the consumers' wgmma-layout
-            # store, conflict-free 16-byte row reads for the writer, 4-row slices stay legal.
-            dq_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[1, 0])
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_sl)
-        else:
-            dq_smem = ds_smem  # unused placeholder
+        # 4-row XOR swizzle of 16-byte groups: 2-way conflicts for the consumers' wgmma-layout
+        # store, conflict-free 16-byte row reads for the writer, 4-row slices stay legal.
+        dq_sl: gl.constexpr = gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=4, order=[1, 0])
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM], dq_sl)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], _mbarrier.MBarrierLayout())
         ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], _mbarrier.MBarrierLayout())
         empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], _mbarrier.MBarrierLayout())
@@ -421,35 +402,22 @@ if GLUON_AVAILABLE:
 
         # (argument tuples must be written inline: a tuple bound to a name first turns the
         #  constexprs in it into runtime values in triton 3.6)
-        if DQ_MODE == 1:
-            dk, dv = gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, ready_bars,
-                             empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
-                             off_b, h0, Hq, n_start, GS, m_start, n_m, Lk, LQ_PAD, qk_scale,  #
-                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_K, DQ_MODE, DS_FROM_P16, num_warps)),
-                (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,  #
-                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,  #
-                             kv_bar, ready_bars, empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
-                             off_b, off_hkv, h0, Hq, n_start, GS, m_start, n_m, LQ_PAD,  #
-                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_MODE, WRITER_PASSES)),
-                (_dq_writer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,  #
-                              q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,  #
-                              kv_bar, ready_bars, empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
-                              off_b, off_hkv, h0, Hq, n_start, GS, m_start, n_m, LQ_PAD,  #
-                              BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_MODE, WRITER_PASSES)),
-            ], [1, 1], [PRODUCER_REGS, PRODUCER_REGS])
-        else:
-            dk, dv = gl.warp_specialize([
-                (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, ready_bars,
-                             empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
-                             off_b, h0, Hq, n_start, GS, m_start, n_m, Lk, LQ_PAD, qk_scale,  #
-                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_K, DQ_MODE, DS_FROM_P16, num_warps)),
-                (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,  #
-                             q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,  #
-                             kv_bar, ready_bars, empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
-                             off_b, off_hkv, h0, Hq, n_start, GS, m_start, n_m, LQ_PAD,  #
-                             BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, DQ_MODE, WRITER_PASSES)),
-            ], [1], [PRODUCER_REGS])
+        dk, dv = gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, ready_bars,
+                         empty_bars, dq_smem, dq_ready, dq_empty,  #
+                         n_start, GS, m_start, n_m, Lk, qk_scale,  #
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_K, num_warps)),
+            (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,  #
+                         q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,  #
+                         kv_bar, ready_bars, empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
+                         off_b, off_hkv, h0, Hq, n_start, GS, m_start, n_m, LQ_PAD,  #
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, WRITER_PASSES)),
+            (_dq_writer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,  #
+                          q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,  #
+                          kv_bar, ready_bars, empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
+                          off_b, off_hkv, h0, Hq, n_start, GS, m_start, n_m, LQ_PAD,  #
+                          BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, WRITER_PASSES)),
+        ], [1, 1], [PRODUCER_REGS, PRODUCER_REGS])
 
         if DKV_OUT == 0:
             # Epilogue: every wgmma has retired and every TMA load was consumed -> reuse the K / V smem.
@@ -465,8 +433,7 @@ if GLUON_AVAILABLE:
         else:
             # GQA group split: fp32 dK / dV straight from the wgmma registers (each quad of threads
             # writes 32 contiguous bytes of a row, whole sectors) into this share's slice of the
-            # (SPLIT, B, Hkv, Lk, D) partial buffers (DKV_OUT 1), or added by fp32 atomics into
-            # zeroed (B, Hkv, Lk, D) accumulators (DKV_OUT 2); the launcher sums / casts.
+            # (SPLIT, B, Hkv, Lk, D) partial buffers; _gluon_bwd_split_sum sums and casts them.
             kv_layout: gl.constexpr = gl.NVMMADistributedLayout(
                 version=[3, 0], warps_per_cta=_mma_warps(BLOCK_N, num_warps),
                 instr_shape=[16, _mma_instr_n(BLOCK_N, HEAD_DIM, num_warps), 16])
@@ -474,17 +441,9 @@ if GLUON_AVAILABLE:
             cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
             offs = rows[:, None] * HEAD_DIM + cols[None, :]
             inb = (rows < Lk)[:, None] & (cols < HEAD_DIM)[None, :]
-            if DKV_OUT == 1:
-                slot = split
-            else:
-                slot = split * 0
-            base = ((slot * B + off_b) * Hkv + off_hkv).to(gl.int64) * Lk * HEAD_DIM
-            if DKV_OUT == 1:
-                gl.store(dkp_ptr + base + offs, dk * dk_scale, mask=inb)
-                gl.store(dvp_ptr + base + offs, dv, mask=inb)
-            else:
-                gl.atomic_add(dkp_ptr + base + offs, dk * dk_scale, mask=inb, sem="relaxed")
-                gl.atomic_add(dvp_ptr + base + offs, dv, mask=inb, sem="relaxed")
+            base = ((split * B + off_b) * Hkv + off_hkv).to(gl.int64) * Lk * HEAD_DIM
+            gl.store(dkp_ptr + base + offs, dk * dk_scale, mask=inb)
+            gl.store(dvp_ptr + base + offs, dv, mask=inb)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -509,19 +468,19 @@ def variant_config(variant: Optional[str], head_dim: int) -> dict:
     return dict(VARIANTS[name], name=name)
 
 
+def _per_dim(knob, head_dim: int):
+    return knob[head_dim] if isinstance(knob, dict) else knob
+
+
 def kernel_constexprs(cfg: dict, head_dim: int, causal: bool, mask_k: bool, dkv_out: int = 0) -> dict:
     """The constexpr arguments of _attn_bwd_ws_kernel for one specialisation (shared with the
     local compile script). ``dkv_out``: 0 dK/dV stored by TMA in the input dtype (no group split),
-    1 fp32 per-share partials, 2 fp32 atomics (group split > 1)."""
+    1 fp32 per-share partials (group split > 1)."""
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=head_dim, STAGES=cfg["STAGES"],
-                CAUSAL=bool(causal), MASK_K=bool(mask_k), DQ_MODE=cfg["DQ_MODE"], DS_FROM_P16=bool(cfg["DS_FROM_P16"]),
-                PRODUCER_REGS=cfg["PRODUCER_REGS"], LPT=bool(cfg["LPT_MB"]) and bool(causal), DKV_OUT=int(dkv_out),
+                CAUSAL=bool(causal), MASK_K=bool(mask_k),
+                PRODUCER_REGS=_per_dim(cfg["PRODUCER_REGS"], head_dim), LPT=bool(cfg["LPT_MB"]) and bool(causal),
+                DKV_OUT=int(dkv_out),
                 WRITER_PASSES=cfg["WRITER_PASSES"])
-
-
-def dkv_out_modes(cfg: dict) -> tuple:
-    """The DKV_OUT values a variant can launch with (no split, and its split mode)."""
-    return (0, 2 if cfg["SPLIT_ATOMIC"] else 1)
 
 
 _SM_COUNT: dict = {}
@@ -547,20 +506,16 @@ def default_group_split(programs: int, kv_group: int, sms: int) -> int:
 
 def lpt_section_rows(cfg: dict, rows: int, lq_pad: int, head_dim: int, elt: int) -> int:
     """Rows (b, kv head, share) per LPT section: as many as keep their current query head's Q, dO
-    (elt bytes) and fp32 dQ accumulator within cfg['LPT_MB'] MiB (L2); all rows for LPT_MB < 0."""
+    (elt bytes) and fp32 dQ accumulator within cfg['LPT_MB'] MiB (L2)."""
     mb = cfg["LPT_MB"]
-    if mb < 0:
-        return max(rows, 1)
     per_row = lq_pad * head_dim * (2 * elt + 4)
     return max(1, min(rows, (mb << 20) // per_row))
 
 
 def smem_bytes_estimate(cfg: dict, head_dim: int, elt: int = 2) -> int:
     bm, bn, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["STAGES"]
-    b = 2 * st * bm * head_dim * elt + 2 * bn * head_dim * elt + bn * bm * elt
-    if cfg["DQ_MODE"] == 1:
-        b += 2 * bm * head_dim * 4
-    return b + 1024
+    # Q / dO ring, K, V, dS, the writer's 2 fp32 dQ buffers, barriers and lse / Delta
+    return 2 * st * bm * head_dim * elt + 2 * bn * head_dim * elt + bn * bm * elt + 2 * bm * head_dim * 4 + 1024
 
 
 def _aligned16(t: torch.Tensor) -> bool:
@@ -647,7 +602,7 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     split = group_split or default_group_split(n_nb * B * Hkv, kv_group, _sm_count(dev))
     if split < 1 or kv_group % split:
         raise ValueError(f"group_split={split} does not divide the GQA group of {kv_group}")
-    dkv_out = 0 if split == 1 else dkv_out_modes(cfg)[1]
+    dkv_out = 0 if split == 1 else 1
     LQ_PAD = triton.cdiv(Lq, _PAD) * _PAD
     delta = torch.empty((B, Hq, LQ_PAD), device=dev, dtype=torch.float32)
     lse2 = torch.empty((B, Hq, LQ_PAD), device=dev, dtype=torch.float32)
@@ -656,14 +611,10 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     dk = torch.empty((B, Hkv, Lk, D), device=dev, dtype=k.dtype)
     dv = torch.empty((B, Hkv, Lk, D), device=dev, dtype=v.dtype)
     dq = torch.empty((B, Hq, Lq, D), device=dev, dtype=q.dtype)
-    if dkv_out == 1:  # (dK | dV, share, B, Hkv, Lk, D) fp32 partials, every element stored
-        part = torch.empty((2, split, B, Hkv, Lk, D), device=dev, dtype=torch.float32)
-    elif dkv_out == 2:  # (dK | dV, 1, B, Hkv, Lk, D) fp32 atomic accumulators
-        part = torch.zeros((2, 1, B, Hkv, Lk, D), device=dev, dtype=torch.float32)
-    else:
-        part = None
+    # (dK | dV, share, B, Hkv, Lk, D) fp32 partials, every element stored
+    part = torch.empty((2, split, B, Hkv, Lk, D), device=dev, dtype=torch.float32) if dkv_out else None
     if poison:
-        for t in (delta, lse2, dqacc, dk, dv, dq) + ((part, ) if dkv_out == 1 else ()):
+        for t in (delta, lse2, dqacc, dk, dv, dq) + ((part, ) if part is not None else ()):
             t.fill_(float("nan"))
     _gluon_bwd_preprocess[(LQ_PAD // _PRE_BLOCK, B * Hq)](
         out, dout, lse, delta, lse2, dqacc,  #

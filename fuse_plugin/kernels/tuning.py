@@ -22,7 +22,7 @@ it was obtained (``tuned``, ``from:<key>`` for a copy of a tuned sibling, ``heur
 optionally followed by the kernel family when it is not the general one
 (``AttentionConfig.kernel``): ``"tma"``, the Hopper TMA kernels (only on keys they cover: no mask,
 fp16/bf16, d64/d128), ``"two_kernel"``, the atomic-free backward pair (backward keys only), or
-``"gluon"`` / ``"gluon_pingpong"`` (forward) and ``"gluon"`` / ``"gluon_dq_writer"`` (backward),
+``"gluon"`` / ``"gluon_pingpong"`` (forward) and ``"gluon"`` / ``"gluon_lpt"`` (backward),
 the warp-specialised Gluon kernels (the TMA kernels' keys).
 Set ``FUSE_PLUGIN_ATTENTION_TABLE`` to a JSON path to use another table file, or to ``off`` to
 use the heuristic tiles only.
@@ -94,7 +94,7 @@ def load_table(path) -> Optional[dict]:
 
 
 # The optional 7th element of an entry (AttentionConfig.kernel when not "general").
-ENTRY_KERNELS = ("tma", "two_kernel", "gluon", "gluon_pingpong", "gluon_dq_writer")
+ENTRY_KERNELS = ("tma", "two_kernel", "gluon", "gluon_pingpong", "gluon_lpt")
 
 
 def entry_to_config(entry) -> Optional[tuple]:
@@ -128,7 +128,7 @@ def kernel_covers(kernel: str, key: str) -> bool:
         return tma_key(key)
     if kernel == "gluon_pingpong":
         return tma_key(key) and parse_key(key)["kernel"] == "fwd"
-    if kernel == "gluon_dq_writer":
+    if kernel == "gluon_lpt":
         return tma_key(key) and parse_key(key)["kernel"] == "bwd"
     return True
 
