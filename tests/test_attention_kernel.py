@@ -557,7 +557,9 @@ def test_gluon_config_refused_or_replaced_where_it_cannot_run(monkeypatch):
     want = attn.attention_backward(out, q, k, v, bias, out, lse, is_causal=True, scale=0.125,
                                    need_dbias=False, deterministic=False,
                                    config=attn._backward_config(64, 64, torch.bfloat16))[:3]
-    assert all(torch.equal(a, b) for a, b in zip(general, want))
+    # dK/dV are summed in registers (same bits); dQ by atomics, in any order on a GPU
+    assert torch.equal(general[1], want[1]) and torch.equal(general[2], want[2])
+    assert rel_err(general[0], want[0]) < 1e-2
 
 
 def test_tma_kernels_refuse_what_they_do_not_cover(monkeypatch):
