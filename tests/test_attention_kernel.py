@@ -130,9 +130,9 @@ def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False
     ref_out.backward(dout.double())
 
     cfg_f = cfg_b = None
-    if config is not None:  # a forward-only kernel's config leaves the backward to the table
+    if config is not None:  # a Gluon forward config leaves the backward to the table
         cfg_f = attn.AttentionConfig(*config)
-        cfg_b = cfg_f if cfg_f.kernel in attn._KERNELS_OF["bwd"] else None
+        cfg_b = None if cfg_f.kernel in attn._GLUON_KERNELS else cfg_f
     if config_bwd is not None:
         cfg_b = attn.AttentionConfig(*config_bwd)
     out, lse = attn.attention_forward(q, k, v, bias_t, is_causal=causal, scale=scale, config=cfg_f)
@@ -321,9 +321,11 @@ def test_deterministic_flag_picks_atomic_free_path(monkeypatch, D):
         with torch_deterministic(det):
             grads[det] = attn.attention_backward(dout, q, k, v, None, out, lse, is_causal=True,
                                                  scale=D ** -0.5, need_dbias=False)[:3]
-        want = ["attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"] if det else \
-            ["attention_bwd_kernel"]
-        assert calls == want
+        pair = ["attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"]
+        if det:
+            assert calls == pair
+        else:  # the table's kernel (on an H100 a Gluon one, which these spies do not see)
+            assert not set(pair) & set(calls), calls
     for a, b in zip(grads[False], grads[True]):
         assert rel_err(a, b) < 2e-3
 
