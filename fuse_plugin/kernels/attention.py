@@ -92,6 +92,7 @@ through their strides (stride 0 where broadcast); W = R or R/2 (one value per pa
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import NamedTuple, Optional
 
@@ -231,10 +232,10 @@ def _backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
             return AttentionConfig(16, 32, 4, 1)
         return AttentionConfig(16, 32, 8, 1)
     split = _d_parts(max(D, Dv), True)[1] != 0
-    if d <= 64:
-        return AttentionConfig(64, 128, 8, 2, split)
     if d <= 128:
-        return AttentionConfig(64, 64, 4, 2, split)
+        # The general kernel's tuned winner at D 64 and 128 (H100, stop 9; also what a Gluon/TMA
+        # table entry falls back to for dropout or a bias); _fit_smem trims it elsewhere.
+        return AttentionConfig(64, 128, 8, 2, split)
     return AttentionConfig(32, 64, 8, 1, split)
 
 
@@ -613,9 +614,20 @@ def _gluon_variant(cfg: AttentionConfig) -> "gluon_fwd.GluonFwdVariant":
 
 def _gluon_bwd_ineligible(q, k, v, out, dout, kind, rope_consts, dropout, is_causal, scale, D,
                          Dv) -> Optional[str]:
-    """None when the Gluon backward (attention_bwd_gluon.py) covers this problem, else why not."""
-    return _tma_ineligible(q, k, v, dout, kind, rope_consts, dropout, scale, D, Dv) or \
-        gluon_bwd.gluon_backward_ineligible(q, k, v, out, dout, is_causal, scale)
+    """None when the Gluon backward (attention_bwd_gluon.py) covers this problem, else why not:
+    the TMA kernels' problems on sm_90 with the Triton it is written for. (Its own, thorough
+    ``gluon_backward_ineligible`` repeats what this launcher has checked already; it costs
+    ~0.1 ms of host time per call on the H100 host.)"""
+    why_not = _tma_ineligible(q, k, v, dout, kind, rope_consts, dropout, scale, D, Dv)
+    if why_not is not None:
+        return why_not
+    if not gluon_bwd.GLUON_AVAILABLE or not triton.__version__.startswith(gluon_bwd._TESTED_TRITON):
+        return f"the Gluon backward is written for Triton {'/'.join(gluon_bwd._TESTED_TRITON)}"
+    if not q.is_cuda or _capability(q.device) != (9, 0):
+        return "it runs on sm_90 (Hopper) only"
+    if out.stride(-1) != 1 or max(q.shape[2], k.shape[2]) >= 2**31 or not math.isfinite(scale):
+        return "out needs a unit last stride, lengths below 2**31 and a finite scale"
+    return None
 
 
 def _gluon_bwd_variant(cfg: AttentionConfig) -> str:

@@ -57,6 +57,7 @@ is missing, ``GLUON_AVAILABLE`` is False and ``gluon_backward_ineligible`` says 
 """
 
 
+import functools
 import math
 from typing import Optional
 
@@ -566,8 +567,16 @@ def gluon_backward_ineligible(q, k, v, out, dout, is_causal, scale) -> Optional[
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    """Built once per block shape and dtype: building one costs ~20 us of host time per
+    descriptor (H100 host, stop 10), and a backward makes eight descriptors."""
+    gdt = gl.float32 if dtype == torch.float32 else _gl_dtype(dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(block), gdt)
+
+
 def _desc(t: torch.Tensor, rows: int, D: int):
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, D], _gl_dtype(t.dtype))
+    layout = _shared_layout((1, 1, rows, D), t.dtype)
     strides = [st if n > 1 else 16 // t.element_size() for n, st in zip(t.shape[:3], t.stride()[:3])] + [1]
     return _GluonTensorDescriptor(t, list(t.shape), strides, [1, 1, rows, D], layout)
 
@@ -575,8 +584,12 @@ def _desc(t: torch.Tensor, rows: int, D: int):
 def _vec_desc(t: torch.Tensor, rows: int):
     """(B, Hq, LQ_PAD) fp32 buffer as a 2-D (B*Hq, LQ_PAD) TMA source of [1, rows] blocks."""
     t2 = t.view(-1, t.shape[-1])
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows], gl.float32)
+    layout = _shared_layout((1, rows), torch.float32)
     return _GluonTensorDescriptor(t2, list(t2.shape), list(t2.stride()), [1, rows], layout)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # not triton.cdiv: a constexpr function, slow to call from Python
 
 
 def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale: float, variant: Optional[str] = None,
@@ -598,12 +611,12 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dev = q.device
     kv_group = Hq // Hkv
-    n_nb = triton.cdiv(Lk, BN)
+    n_nb = _cdiv(Lk, BN)
     split = group_split or default_group_split(n_nb * B * Hkv, kv_group, _sm_count(dev))
     if split < 1 or kv_group % split:
         raise ValueError(f"group_split={split} does not divide the GQA group of {kv_group}")
     dkv_out = 0 if split == 1 else 1
-    LQ_PAD = triton.cdiv(Lq, _PAD) * _PAD
+    LQ_PAD = _cdiv(Lq, _PAD) * _PAD
     delta = torch.empty((B, Hq, LQ_PAD), device=dev, dtype=torch.float32)
     lse2 = torch.empty((B, Hq, LQ_PAD), device=dev, dtype=torch.float32)
     dqacc = torch.empty((B, Hq, LQ_PAD, D), device=dev, dtype=torch.float32)
@@ -635,9 +648,9 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
 
     if part is not None:
         numel = B * Hkv * Lk * D
-        _gluon_bwd_split_sum[(triton.cdiv(numel, _SUM_BLOCK), 2)](
+        _gluon_bwd_split_sum[(_cdiv(numel, _SUM_BLOCK), 2)](
             part, dk, dv, numel, S=part.shape[1], BLOCK=_SUM_BLOCK, num_warps=4)
-    _gluon_bwd_dq_cast[(triton.cdiv(Lq, _PRE_BLOCK), B * Hq)](
+    _gluon_bwd_dq_cast[(_cdiv(Lq, _PRE_BLOCK), B * Hq)](
         dqacc, dq, dq.stride(0), dq.stride(1), dq.stride(2), Hq, Lq, LQ_PAD, float(scale),  #
         D=D, BLOCK=_PRE_BLOCK, num_warps=4)
     return dq, dk, dv

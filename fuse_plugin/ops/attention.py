@@ -23,6 +23,7 @@ the kernels (reference.dropout_keep). dropout_p > 0 without a seed is an error.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -179,3 +180,71 @@ def _backward(ctx, dout, _dlse):
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# Eager host time. custom_op's generic Python wrappers (re-binding arguments against the schema,
+# the output-aliasing check, the dynamo-disable frame, its generic autograd.Function) cost about
+# 200 us per forward call on the H100 host, eight times SDPA's whole call (RESULTS.md, stop 10),
+# which made short attentions host-bound. The same implementations are therefore also
+# registered straight at the dispatch keys: the backends at CPU and CUDA (picked before
+# custom_op's CompositeExplicitAutograd registration), and at Autograd a plain
+# autograd.Function built from the same setup_context / backward. Schema, fake implementations
+# and what torch.compile traces are unchanged.
+# ------------------------------------------------------------------------------------------------
+
+_LEAN = torch.library.Library("fuse_plugin", "IMPL")
+
+
+def _attention_backend(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
+    check_dropout(dropout_p, dropout_seed, q)
+    return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
+
+
+def _attention_backward_backend(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale,
+                                dropout_seed, need_dbias):
+    check_dropout(dropout_p, dropout_seed, q)
+    return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias,
+                         dropout_p, dropout_seed)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, lse = torch.ops.fuse_plugin.attention.default(
+                q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed)
+        _setup_context(ctx, (q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed),
+                       (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse)
+
+
+def _attention_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            attn_bias is not None and attn_bias.requires_grad)):
+        return _AttentionFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale,
+                                        dropout_seed)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.fuse_plugin.attention.default(q, k, v, attn_bias, dropout_p, is_causal,
+                                                       scale, dropout_seed)
+
+
+def _attention_backward_autograd(*args):
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        raise RuntimeError("fuse_plugin::attention_backward is not differentiable (no double "
+                           "backward through attention)")
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.fuse_plugin.attention_backward.default(*args)
+
+
+for _key in ("CPU", "CUDA"):
+    _LEAN.impl("attention", _attention_backend, _key)
+    _LEAN.impl("attention_backward", _attention_backward_backend, _key)
+with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
+    warnings.simplefilter("ignore")
+    _LEAN.impl("attention", _attention_autograd, "Autograd")
+    _LEAN.impl("attention_backward", _attention_backward_autograd, "Autograd")
