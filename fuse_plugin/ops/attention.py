@@ -23,7 +23,6 @@ the kernels (reference.dropout_keep). dropout_p > 0 without a seed is an error.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Optional
 
 import torch
@@ -74,17 +73,27 @@ def bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tenso
     return attn_bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
 
 
-@torch.library.custom_op("fuse_plugin::attention", mutates_args=())
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn_bias: Optional[Tensor],
-    dropout_p: float,
-    is_causal: bool,
-    scale: float,
-    dropout_seed: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor]:
+# The two ops are defined with torch.library's low-level API rather than torch.library.custom_op:
+# custom_op's generic Python wrappers (re-binding arguments against the schema, the output-aliasing
+# check, the dynamo-disable frame, its generic autograd.Function) cost about 200 us per forward
+# call on the H100 host, eight times SDPA's whole call, which made short attentions host-bound
+# (RESULTS.md, stop 10). Same schema, pt2_compliant tag, fake implementations and autograd
+# (a plain autograd.Function around the backward op) as custom_op would register.
+_LIB = torch.library.Library("fuse_plugin", "FRAGMENT")
+_LIB.define(
+    "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, float dropout_p, bool is_causal, "
+    "float scale, Tensor? dropout_seed=None) -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define(
+    "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor out, "
+    "Tensor lse, float dropout_p, bool is_causal, float scale, Tensor? dropout_seed, "
+    "bool need_dbias) -> (Tensor, Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], dropout_p: float,
+              is_causal: bool, scale: float, dropout_seed: Optional[Tensor] = None
+              ) -> tuple[Tensor, Tensor]:
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
     check_dropout(dropout_p, dropout_seed, q)
     return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
@@ -101,7 +110,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], i
     return reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
 
 
-@attention.register_fake
+@torch.library.register_fake("fuse_plugin::attention", lib=_LIB)
 def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
     check_dropout(dropout_p, dropout_seed, q)
     b, hq, lq, _ = q.shape
@@ -110,21 +119,10 @@ def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
     return out, lse
 
 
-@torch.library.custom_op("fuse_plugin::attention_backward", mutates_args=())
-def attention_backward(
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn_bias: Optional[Tensor],
-    out: Tensor,
-    lse: Tensor,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float,
-    dropout_seed: Optional[Tensor],
-    need_dbias: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor],
+                       out: Tensor, lse: Tensor, dropout_p: float, is_causal: bool, scale: float,
+                       dropout_seed: Optional[Tensor], need_dbias: bool
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
     check_dropout(dropout_p, dropout_seed, q)
     return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed)
@@ -151,7 +149,7 @@ def reduce_dbias(ds: Optional[Tensor], attn_bias: Optional[Tensor], q: Tensor, n
     return q.new_empty((0,))
 
 
-@attention_backward.register_fake
+@torch.library.register_fake("fuse_plugin::attention_backward", lib=_LIB)
 def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_seed, need_dbias):
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
@@ -173,39 +171,10 @@ def _backward(ctx, dout, _dlse):
     if dout is None:
         return None, None, None, None, None, None, None, None
     need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dbias = attention_backward(
+    dq, dk, dv, dbias = torch.ops.fuse_plugin.attention_backward.default(
         dout, q, k, v, attn_bias, out, lse, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed, need_dbias
     )
     return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None
-
-
-attention.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ------------------------------------------------------------------------------------------------
-# Eager host time. custom_op's generic Python wrappers (re-binding arguments against the schema,
-# the output-aliasing check, the dynamo-disable frame, its generic autograd.Function) cost about
-# 200 us per forward call on the H100 host, eight times SDPA's whole call (RESULTS.md, stop 10),
-# which made short attentions host-bound. The same implementations are therefore also
-# registered straight at the dispatch keys: the backends at CPU and CUDA (picked before
-# custom_op's CompositeExplicitAutograd registration), and at Autograd a plain
-# autograd.Function built from the same setup_context / backward. Schema, fake implementations
-# and what torch.compile traces are unchanged.
-# ------------------------------------------------------------------------------------------------
-
-_LEAN = torch.library.Library("fuse_plugin", "IMPL")
-
-
-def _attention_backend(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
-    check_dropout(dropout_p, dropout_seed, q)
-    return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
-
-
-def _attention_backward_backend(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale,
-                                dropout_seed, need_dbias):
-    check_dropout(dropout_p, dropout_seed, q)
-    return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias,
-                         dropout_p, dropout_seed)
 
 
 class _AttentionFunction(torch.autograd.Function):
@@ -241,10 +210,7 @@ def _attention_backward_autograd(*args):
         return torch.ops.fuse_plugin.attention_backward.default(*args)
 
 
-for _key in ("CPU", "CUDA"):
-    _LEAN.impl("attention", _attention_backend, _key)
-    _LEAN.impl("attention_backward", _attention_backward_backend, _key)
-with warnings.catch_warnings():  # "Overriding a previously registered kernel": intended
-    warnings.simplefilter("ignore")
-    _LEAN.impl("attention", _attention_autograd, "Autograd")
-    _LEAN.impl("attention_backward", _attention_backward_autograd, "Autograd")
+_LIB.impl("attention", attention, "CompositeExplicitAutograd")
+_LIB.impl("attention", _attention_autograd, "Autograd")
+_LIB.impl("attention_backward", attention_backward, "CompositeExplicitAutograd")
+_LIB.impl("attention_backward", _attention_backward_autograd, "Autograd")
