@@ -64,6 +64,12 @@ Speed
   through host-side tensor descriptors, and in the backward each query block's dQ share added by
   one TMA bulk reduction. A table entry ending in ``"tma"`` (``AttentionConfig.kernel``) picks
   them per key; on the H100 they win the D 128 forward and the D 64 backward.
+* Warp-specialised Gluon kernels (attention_fwd_gluon.py, attention_bwd_gluon.py; sm_90 with
+  Triton 3.6, the TMA kernels' problems): a TMA producer warp and two wgmma consumer warpgroups,
+  the softmax of one tile overlapping the matmuls of the next (FA3's design, written by hand:
+  Triton 3.6's automatic warp specialisation crashes on these kernels). Table entries ending in
+  ``"gluon"`` / ``"gluon_pingpong"`` / ``"gluon_lpt"`` pick them; on the H100 they win the D 128
+  forward and the D 64/128 backward (0.87-1.07x cuDNN at D 128, N >= 4k; RESULTS.md, stop 10).
 * A table entry ending in ``"two_kernel"`` runs the atomic-free backward pair outside
   deterministic mode too: on the H100 it beats the atomic kernel at D 256, where the atomic
   kernel's fp32 dQ additions (BLOCK_M x 256 per key block) and its registers dominate.
