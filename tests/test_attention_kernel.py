@@ -509,6 +509,38 @@ def test_gluon_backward_matches_reference(monkeypatch, case, cfg):
     assert spy.launches == 1
 
 
+def test_gluon_backward_pre_and_post_kernels():
+    """The Gluon backward's plain-Triton kernels (run here too, by the interpreter on the CPU):
+    Delta and lse * log2(e) per row into buffers padded to whole query blocks (padding rows 0 and
+    +inf), the dQ accumulator zeroed; the scaled cast of dQ into a strided output; the sum of the
+    GQA split's fp32 dK / dV partials. Outputs poisoned with NaN beforehand."""
+    G = attn.gluon_bwd
+    torch.manual_seed(0)
+    B, Hq, Lq, D, pad = 2, 3, 77, 64, 128
+    o = torch.randn(B, Lq, Hq, D, device=DEVICE).transpose(1, 2)
+    do = torch.randn(B, Hq, Lq, D, device=DEVICE)
+    lse = torch.randn(B, Hq, Lq, device=DEVICE)
+    delta, lse2 = (torch.full((B, Hq, pad), float("nan"), device=DEVICE) for _ in range(2))
+    dqacc = torch.full((B, Hq, pad, D), float("nan"), device=DEVICE)
+    G._gluon_bwd_preprocess[(pad // 64, B * Hq)](
+        o, do, lse, delta, lse2, dqacc, *o.stride()[:3], *do.stride()[:3], *lse.stride(), Hq, Lq,
+        pad, D=D, BLOCK=64)
+    assert torch.allclose(delta[..., :Lq], (o * do).sum(-1), atol=1e-5)
+    assert (delta[..., Lq:] == 0).all() and (dqacc == 0).all()
+    assert torch.allclose(lse2[..., :Lq], lse * 1.4426950408889634)
+    assert torch.isposinf(lse2[..., Lq:]).all()
+    acc = torch.randn(B, Hq, pad, D, device=DEVICE)
+    dq = torch.full((B, Lq, Hq, D), float("nan"), device=DEVICE).transpose(1, 2)
+    G._gluon_bwd_dq_cast[(2, B * Hq)](acc, dq, *dq.stride()[:3], Hq, Lq, pad, 0.5, D=D, BLOCK=64)
+    assert torch.equal(dq, acc[..., :Lq, :] * 0.5)
+    part = torch.randn(2, 3, 5, 7, device=DEVICE)
+    dk, dv = (torch.full((5, 7), float("nan"), device=DEVICE, dtype=torch.float16)
+              for _ in range(2))
+    G._gluon_bwd_split_sum[(1, 2)](part, dk, dv, 35, S=3, BLOCK=64)
+    for got, want in ((dk, part[0].sum(0)), (dv, part[1].sum(0))):
+        assert torch.allclose(got.float(), want, rtol=1e-3, atol=1e-3)
+
+
 def test_gluon_config_refused_or_replaced_where_it_cannot_run(monkeypatch):
     """Where the Gluon forward cannot run (here: no sm_90 GPU with Triton 3.6, or a bias), a
     user-given Gluon config is an error naming why and a table Gluon entry runs the TMA kernel

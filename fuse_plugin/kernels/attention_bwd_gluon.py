@@ -120,17 +120,19 @@ VARIANT_HEAD_DIMS = {name: (64, 128) for name in VARIANTS}
 # Plain Triton pre/post-processing
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _row_block(Hq, Lq, D: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's (b, h, b * Hq + h, BLOCK rows, D cols, rows < Lq): grid (row blocks, B * Hq)."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return bh // Hq, bh % Hq, bh, rows, tl.arange(0, D), rows < Lq
+
+
+@triton.jit
 def _gluon_bwd_preprocess(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, dqacc_ptr,  #
                           so_b, so_h, so_l, sdo_b, sdo_h, sdo_l, slse_b, slse_h, slse_l,  #
                           Hq, Lq, LQ_PAD,  #
                           D: tl.constexpr, BLOCK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D)
-    inb = rows < Lq
+    b, h, bh, rows, cols, inb = _row_block(Hq, Lq, D, BLOCK)
     o = tl.load(o_ptr + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + rows[:, None].to(tl.int64) * so_l
                 + cols[None, :], mask=inb[:, None], other=0.0).to(tl.float32)
     do = tl.load(do_ptr + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h + rows[:, None].to(tl.int64) * sdo_l
@@ -148,13 +150,7 @@ def _gluon_bwd_preprocess(o_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, dqacc_ptr
 @triton.jit
 def _gluon_bwd_dq_cast(dqacc_ptr, dq_ptr, sdq_b, sdq_h, sdq_l, Hq, Lq, LQ_PAD, scale,  #
                        D: tl.constexpr, BLOCK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // Hq
-    h = bh % Hq
-    rows = pid_m * BLOCK + tl.arange(0, BLOCK)
-    cols = tl.arange(0, D)
-    inb = rows < Lq
+    b, h, bh, rows, cols, inb = _row_block(Hq, Lq, D, BLOCK)
     acc = tl.load(dqacc_ptr + (bh.to(tl.int64) * LQ_PAD + rows[:, None]) * D + cols[None, :], mask=inb[:, None],
                   other=0.0)
     tl.store(dq_ptr + b.to(tl.int64) * sdq_b + h.to(tl.int64) * sdq_h + rows[:, None].to(tl.int64) * sdq_l
