@@ -27,6 +27,12 @@ writes another head's rows: out-of-range rows read as zero and are clipped on st
 
 Importing this module never compiles anything and never fails: without Gluon (older / newer
 Triton, CPU-only CI) ``GLUON_AVAILABLE`` is False and the predicate says so.
+
+Measured (H100, stop 10; benchmarks/NOTES.md attempt 14): bf16 D 128 at 4k-16k 0.99-1.08x cuDNN
+(the Triton TMA forward: 0.80-0.88x); at D 64 no better than the Triton kernels, which keep those
+keys. Ping-pong helps at 16k and fp16, hurts short causal rows: the table picks per key.
+kernels/attention.py reaches this kernel through ``launch_forward_gluon`` (AttentionConfig.kernel
+"gluon" / "gluon_pingpong"); ``attention_forward_gluon`` is the checked entry for scripts.
 """
 from __future__ import annotations
 
