@@ -598,12 +598,10 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _gluon_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv) -> Optional[str]:
-    """None when the Gluon forward (attention_fwd_gluon.py) covers this problem, else why not:
-    the TMA kernels' problems, on sm_90 with the Triton its Gluon code is written for."""
-    why_not = _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv)
-    if why_not is not None:
-        return why_not
+def _gluon_platform_ineligible(q, k) -> Optional[str]:
+    """None when the Gluon forward (attention_fwd_gluon.py) can run here, else why not: sm_90 with
+    the Triton its Gluon code is written for. (Its problems are the TMA kernels': the caller
+    checks ``_tma_ineligible`` too.)"""
     if not gluon_fwd.GLUON_AVAILABLE:
         return gluon_fwd._GLUON_WHY_NOT
     if not q.is_cuda or _capability(q.device) != (9, 0):
@@ -690,8 +688,10 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     cfg = AttentionConfig(*config) if user_given else _pick_config(
         "fwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
     _check_config(cfg, "fwd")
+    tma_checked = None  # (_tma_ineligible's answer,) once asked: a Gluon entry asks it first
     if cfg.kernel in _GLUON_KERNELS:
-        why_not = _gluon_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv)
+        tma_checked = (_tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv),)
+        why_not = tma_checked[0] or _gluon_platform_ineligible(q, k)
         if why_not is None and ("gluon", cfg) not in _FAILED_CONFIGS:
             try:
                 gluon_fwd.launch_forward_gluon(q, k, v, out, lse, is_causal, scale,
@@ -708,7 +708,8 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
             raise ValueError(f"config {cfg} asks for the Gluon forward kernel, but {why_not}")
         cfg = _TMA_FORWARD_FALLBACK  # the TMA kernel if it applies, else as below
     if cfg.tma:
-        why_not = _tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv)
+        why_not = tma_checked[0] if tma_checked else \
+            _tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv)
         if why_not is None:
             _launch(lambda c: _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, c), cfg,
                     user_given, "tma")
