@@ -30,7 +30,7 @@ import fuse_plugin.kernels.attention as A  # noqa: E402
 
 KERNELS = ["attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_tma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",
            "attention_dq_cast_kernel", "attention_dq_rope_cast_kernel", "attention_bwd_dkdv_kernel",
-           "attention_bwd_dq_kernel"]
+           "attention_bwd_dq_kernel", "attention_bwd_dq_tma_kernel"]
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
            torch.int64: "*i64", torch.uint8: "*u8"}
 
@@ -65,6 +65,13 @@ def record(quick: bool):
         A.attention_backward(out, q, k, v, None, out, lse, is_causal=causal, scale=0.1,
                              need_dbias=False, config=A.AttentionConfig(*tile, False, "tma"))
     A.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.1, need_dbias=False)
+    # the atomic-free TMA pair (also at D 256, where the table picks it)
+    pair = A.AttentionConfig(64, 64, 8, 2, False, "tma_pair", (128, 32, 8, 3))
+    A.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.1, need_dbias=False,
+                         config=pair)
+    q256, k256, v256 = (torch.randn(1, 2, 128, 256, dtype=dt) for _ in range(3))
+    A.attention_backward(q256, q256, k256, v256, None, q256, lse[:, :2], is_causal=True, scale=0.1,
+                         need_dbias=False, config=pair)
     if not quick:
         seed = torch.tensor(1, dtype=torch.int64)
         A.attention_forward(q, k, v, bias, is_causal=False, scale=0.1, dropout_p=0.1, dropout_seed=seed)

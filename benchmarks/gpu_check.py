@@ -69,6 +69,9 @@ ATTENTION_CASES = [
     # no-mask D 128 / D 64 at lengths where the table picks the Hopper (TMA / Gluon) kernels
     (1, 4, 2, 2048, 2048, 128, 128, False, None),
     (2, 4, 4, 1500, 1500, 64, 64, True, None),
+    # no-mask D 256, where the table picks the atomic-free TMA pair (GQA; Lq != Lk)
+    (2, 4, 2, 700, 700, 256, 256, True, None),
+    (1, 4, 4, 300, 513, 256, 256, False, None),
 ]
 
 

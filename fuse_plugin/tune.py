@@ -13,7 +13,9 @@ sets of other GPU names already in that file. Steps:
    ``"tma"``) and, on sm_90 with Triton 3.6, the warp-specialised Gluon kernels' (forward
    ``GLUON_CANDIDATES``: ``"gluon"`` / ``"gluon_pingpong"``; backward ``GLUON_BWD_CANDIDATES``:
    ``"gluon"`` / ``"gluon_lpt"``); the backward of large head dims
-   tries the atomic-free pair's (``TWO_KERNEL_CANDIDATES``; entries ending in ``"two_kernel"``).
+   tries the atomic-free pair's (``TWO_KERNEL_CANDIDATES``; entries ending in ``"two_kernel"``),
+   and the no-mask fp16/bf16 backward of head dim 256 that pair with TMA tiles
+   (``TMA_PAIR_CANDIDATES``; entries ending in ``"tma_pair"`` and the dQ kernel's tile).
 2. Compile + validate, in parallel worker processes (each a fresh CUDA context, so a crash costs
    one candidate): every candidate runs forward or backward on odd lengths (397 x 397, GQA 4/2)
    and is compared with a float64 golden; it also runs once on a small aligned shape so that the
@@ -107,6 +109,15 @@ TWO_KERNEL_CANDIDATES = {
 }
 
 
+# The atomic-free pair with TMA tiles (AttentionConfig.kernel "tma_pair"; no mask, fp16/bf16,
+# D 64/128/256): (dK/dV tile, dQ tile), each (block_m, block_n, num_warps, num_stages), from
+# the H100 sweep of stop 11 (NOTES.md attempt 17: at D 256 236 vs 183 TFLOP/s causal).
+TMA_PAIR_CANDIDATES = {
+    256: [((64, 64, 8, 2), (128, 32, 8, 3)), ((64, 64, 8, 2), (64, 64, 4, 2)),
+          ((32, 64, 8, 2), (128, 32, 8, 3)), ((64, 64, 8, 2), (128, 32, 8, 2))],
+}
+
+
 def _family(dbucket: int) -> str:
     if dbucket <= 64:
         return "small"
@@ -155,6 +166,11 @@ def candidates(kernel: str, dbucket: int, mask: str, smem_limit: int) -> list[tu
     if kernel == "bwd":  # the pair reads whole head dims (split_d does not apply)
         for bm, bn, w, s in TWO_KERNEL_CANDIDATES.get(_family(dbucket), ()):
             cfg = A.AttentionConfig(bm, bn, w, s, False, "two_kernel")
+            if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+                out.append(tuple(cfg))
+    if kernel == "bwd" and mask == "none" and d in A._TMA_PAIR_HEAD_DIMS:
+        for tile, dq_tile in TMA_PAIR_CANDIDATES.get(d, ()):
+            cfg = A.AttentionConfig(*tile, False, "tma_pair", dq_tile)
             if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
     return out
@@ -547,7 +563,7 @@ def tune(args) -> int:
         ms, cfg = min(rows)
         kernel, db, causal, mask = grp
         key = tuning.make_key(kernel, TUNE_DTYPE, db, causal, mask, L)
-        entries[key] = [*cfg[:4], int(cfg[4]), "tuned"] + _kernel_marker(cfg[5])
+        entries[key] = [*cfg[:4], int(cfg[4]), "tuned"] + _kernel_marker(*cfg[5:7])
         shp = _timing_shape(db, L)
         summary.append((key, cfg, ms, _flops(kernel, shp["B"], shp["H"], L, shp["D"], causal)
                         / ms / 1e9))
@@ -568,8 +584,9 @@ def tune(args) -> int:
     print("| key | block_m block_n warps stages split kernel | ms | TFLOP/s |")
     print("|---|---|---|---|")
     for key, cfg, ms, tf in sorted(summary):
+        dq = f" dQ {'x'.join(map(str, cfg[6]))}" if len(cfg) > 6 and cfg[6] else ""
         print(f"| {key} | {cfg[0]} {cfg[1]} {cfg[2]} {cfg[3]} {int(cfg[4])} "
-              f"{cfg[5]} | {ms:.3f} | {tf:.0f} |")
+              f"{cfg[5]}{dq} | {ms:.3f} | {tf:.0f} |")
     if log:
         log.close()
     return 0
@@ -615,18 +632,21 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
     for key in tuning.all_keys():
         p = tuning.parse_key(key)
         got = resolved(key)
-        if got is not None and len(got[0]) == 7 and not tuning.kernel_covers(got[0][6], key):
-            got = None  # e.g. a TMA-kernel entry on a key that kernel does not cover
         d = REPRESENTATIVE_D[p["dbucket"]]
+        dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[p["dtype"]]
+        cfg = None
+        if got is not None and len(got[0]) >= 7 and not tuning.kernel_covers(got[0][6], key):
+            if got[0][6] == "tma_pair":  # a mask key: what such an entry falls back to at run time
+                cfg = A._deterministic_backward_config(d, d, dt)._replace(kernel="two_kernel")
+                src = "heuristic"
+            got = None  # e.g. a TMA-kernel entry on a key that kernel does not cover
         bias_elt = {"none": 0, "bool": 1, "float": 4}[p["mask"]]
         elt = 4 if p["dtype"] == "fp32" else 2
         if got is not None:
             entry, src = got
-            cfg = A.AttentionConfig(*entry[:4], bool(entry[4]),
-                                    entry[6] if len(entry) == 7 else "general")
+            cfg = A.AttentionConfig(*tuning.entry_to_config(entry))
             src = "tuned" if src == key else f"from:{src}"
-        else:
-            dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[p["dtype"]]
+        elif cfg is None:
             h = A._forward_config if p["kernel"] == "fwd" else A._backward_config
             cfg, src = h(d, d, dt), "heuristic"
         # A tuned entry ran on the GPU as it is; copies and heuristics are fitted to the
@@ -634,13 +654,15 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
         while src != "tuned" and cfg.num_stages > 1 and \
                 A._smem_estimate(p["kernel"], cfg, d, d, elt, bias_elt) > smem_limit:
             cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-        out[key] = [*cfg[:4], int(cfg.split_d), src] + _kernel_marker(cfg.kernel)
+        out[key] = [*cfg[:4], int(cfg.split_d), src] + _kernel_marker(cfg.kernel, cfg.dq_tile)
     return out
 
 
-def _kernel_marker(kernel: str) -> list:
-    """An entry's optional 7th element (kernels/tuning.py)."""
-    return [] if kernel == "general" else [kernel]
+def _kernel_marker(kernel: str, dq_tile=None) -> list:
+    """An entry's optional 7th (and for "tma_pair" 8th) elements (kernels/tuning.py)."""
+    if kernel == "general":
+        return []
+    return [kernel] if dq_tile is None else [kernel, list(dq_tile)]
 
 
 def write_table(path: Path, table: dict) -> None:

@@ -463,6 +463,94 @@ def test_tma_kernels_match_reference(monkeypatch, case):
     assert spies["attention_bwd_tma_kernel"].launches == 1
 
 
+# The atomic-free pair with TMA tiles ("tma_pair"): the dK/dV kernel (attention_bwd_tma_kernel
+# without its dQ share) and the dQ kernel, each with its own tiles; D 256 too.
+TMA_PAIR_CASES = TMA_CASES | {
+    "bf16-d256-gqa-causal-lq-lt-lk": dict(
+        dtype=torch.bfloat16, B=1, Hq=4, Hkv=2, Lq=23, Lk=40, D=256, Dv=256, causal=True,
+        bias=None),
+    "fp16-d256-full-lq-gt-lk": dict(
+        dtype=torch.float16, B=2, Hq=1, Hkv=1, Lq=40, Lk=17, D=256, Dv=256, causal=False,
+        bias=None),
+}
+TMA_PAIR_CONFIG = (16, 32, 4, 1, False, "tma_pair", (32, 16, 4, 1))
+
+
+@pytest.mark.parametrize("case", list(TMA_PAIR_CASES.values()), ids=list(TMA_PAIR_CASES))
+def test_tma_pair_matches_reference(monkeypatch, case):
+    """The backward through the TMA pair (outputs poisoned with NaN beforehand), in and out of
+    deterministic mode (it is atomic-free, so both run it), with the group split of the case."""
+    spies = {}
+    for name in ("attention_bwd_tma_kernel", "attention_bwd_dq_tma_kernel", "attention_bwd_kernel",
+                 "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
+        spies[name] = _LaunchSpy(getattr(attn, name))
+        monkeypatch.setattr(attn, name, spies[name])
+    case = {n: v for n, v in case.items() if n != "config"}
+    for det in (False, True):
+        run_case(**case, config_bwd=TMA_PAIR_CONFIG, deterministic=det)
+    assert [s.launches for s in spies.values()] == [2, 2, 0, 0, 0], \
+        {n: s.launches for n, s in spies.items()}
+
+
+def test_tma_pair_is_deterministic_and_matches_the_general_pair():
+    """Same bits on a second run (no atomics), and the general pair's gradients to rounding."""
+    torch.manual_seed(0)
+    q, k, v = make_qkv(1, 4, 2, 50, 50, 64, 64, torch.bfloat16, False)
+    dout = torch.randn_like(q)
+    out, lse = attn.attention_forward(q, k, v, None, is_causal=True, scale=0.125)
+    run = lambda cfg: attn.attention_backward(dout, q, k, v, None, out, lse, is_causal=True,  # noqa: E731
+                                              scale=0.125, need_dbias=False, config=cfg)[:3]
+    a, b = run(TMA_PAIR_CONFIG), run(TMA_PAIR_CONFIG)
+    general = run(attn.AttentionConfig(16, 32, 4, 1, False, "two_kernel"))
+    for x, y, z in zip(a, b, general):
+        assert torch.equal(x, y) and rel_err(x, z) < 1e-2
+
+
+def test_tma_pair_refused_or_replaced_where_it_cannot_run(monkeypatch):
+    """A user-given "tma_pair" config on a problem it does not cover is an error naming why; a
+    table entry falls back to the general pair (with rope outside deterministic mode: the atomic
+    kernel), still right. Malformed dq tiles and a dq tile on another kernel are refused."""
+    torch.manual_seed(0)
+    pair = attn.AttentionConfig(*TMA_PAIR_CONFIG)
+    q, k, v = make_qkv(1, 2, 2, 20, 20, 96, 96, torch.float16, False)
+    out, lse = attn.attention_forward(q, k, v, None, is_causal=True, scale=0.1)
+    bwd = lambda cfg, **kw: attn.attention_backward(  # noqa: E731
+        out, q, k, v, kw.pop("bias", None), out, lse, is_causal=True, scale=0.1,
+        need_dbias=kw.pop("need_dbias", False), config=cfg, **kw)
+    with pytest.raises(ValueError, match=r"TMA backward pair, but it needs D == Dv in \(64, 128, 256\)"):
+        bwd(pair)
+    q64, k64, v64 = (t[..., :64].contiguous() for t in (q, k, v))
+    o64, l64 = attn.attention_forward(q64, k64, v64, None, is_causal=True, scale=0.1)
+    with pytest.raises(ValueError, match="TMA backward pair, but it writes no dbias"):
+        attn.attention_backward(o64, q64, k64, v64, None, o64, l64, is_causal=True, scale=0.1,
+                                need_dbias=True, config=pair)
+    for bad, match in ((pair._replace(dq_tile=(24, 16, 4, 1)), "powers of 2"),
+                       (pair._replace(dq_tile=(16, 16, 4)), "dq_tile is"),
+                       (attn.AttentionConfig(16, 16, 4, 1, False, "two_kernel", (16, 16, 4, 1)),
+                        "dq_tile is")):
+        with pytest.raises(ValueError, match=match):
+            attn.attention_backward(o64, q64, k64, v64, None, o64, l64, is_causal=True,
+                                    scale=0.1, need_dbias=False, config=bad)
+    with pytest.raises(ValueError, match="'tma_pair' is not a fwd kernel"):
+        attn.attention_forward(q64, k64, v64, None, is_causal=True, scale=0.1, config=pair)
+    # Table path: D 96 -> the general pair (deterministic tiles), right answer.
+    spies = {n: _LaunchSpy(getattr(attn, n)) for n in
+             ("attention_bwd_dq_tma_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_kernel")}
+    for n, spy in spies.items():
+        monkeypatch.setattr(attn, n, spy)
+    monkeypatch.setattr(attn, "_pick_config", lambda *a: pair)
+    got = bwd(None)[:3]
+    want = bwd(attn._deterministic_backward_config(96, 96, torch.float16)._replace(
+        kernel="two_kernel"))[:3]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert [s.launches for s in spies.values()] == [0, 2, 0]
+    # ... and with rope outside deterministic mode the atomic kernel's heuristic tiles.
+    rope = attn.Rope(torch.randn(1, 1, 20, 96, device=DEVICE), torch.randn(1, 1, 20, 96, device=DEVICE),
+                     False, 96)
+    bwd(None, rope=rope, deterministic=False)
+    assert [s.launches for s in spies.values()] == [0, 2, 1]
+
+
 def _gluon_why_not() -> str | None:
     if not torch.cuda.is_available():
         return "the Gluon kernels need a CUDA GPU (sm_90 with Triton 3.6); CI runs on the CPU"

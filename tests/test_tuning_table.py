@@ -44,8 +44,9 @@ def test_entries_well_formed(table):
         for key, entry in entries.items():
             cfg = tuning.entry_to_config(entry)
             assert cfg is not None, (key, entry)
-            assert len(entry) in (6, 7) and entry[4] in (0, 1), (key, entry)
-            bm, bn, w, s, split, kernel = cfg
+            assert len(entry) in (6, 7, 8) and entry[4] in (0, 1), (key, entry)
+            bm, bn, w, s, split, kernel, dq_tile = cfg
+            assert (dq_tile is not None) == (len(entry) == 8), (key, entry)
             # a TMA-kernel entry only where that kernel covers the problems (else it would
             # fall back to heuristic tiles at every call); the atomic-free pair on bwd keys only
             assert tuning.kernel_covers(kernel, key), (key, entry)
@@ -158,3 +159,29 @@ def test_fill_table_keeps_two_kernel_entries_on_backward_keys():
     assert not any(k.startswith("fwd") and len(e) == 7 and e[6] == "two_kernel"
                    for k, e in table.items())
     assert tuning.entry_to_config([64, 64, 8, 2, 0, "tuned", "two_kernel"])[5] == "two_kernel"
+
+
+def test_fill_table_keeps_tma_pair_entries_where_the_pair_covers_the_key():
+    """A "tma_pair" winner (the atomic-free pair with TMA tiles, and its dQ kernel's tile) is
+    copied to fp16 and other length buckets of its no-mask backward key; a mask key gets what
+    such an entry falls back to at run time (the general pair's deterministic tiles)."""
+    from fuse_plugin import tune
+
+    key = "bwd|bf16|d256|causal|none|n4096"
+    won = [64, 64, 8, 2, 0, "tuned", "tma_pair", [128, 32, 8, 3]]
+    table = tune.fill_table({key: won}, H100_SMEM)
+    assert table[key] == won
+    assert table["bwd|fp16|d256|causal|none|n16384"] == won[:5] + [f"from:{key}"] + won[6:]
+    fallback = attn._deterministic_backward_config(256, 256, torch.bfloat16)
+    for mask in ("bool", "float"):  # (a float mask may be fp32: fewer stages may be fitted)
+        entry = table[f"bwd|bf16|d256|causal|{mask}|n4096"]
+        assert entry[:3] == list(fallback[:3]) and entry[5:] == ["heuristic", "two_kernel"]
+    assert tuning.entry_to_config(won) == (64, 64, 8, 2, False, "tma_pair", (128, 32, 8, 3))
+    for bad in ([64, 64, 8, 2, 0, "tuned", "tma_pair", [128, 32, 8]],
+                [64, 64, 8, 2, 0, "tuned", "tma_pair", [24, 32, 8, 3]],
+                [64, 64, 8, 2, 0, "tuned", "two_kernel", [128, 32, 8, 3]],
+                [64, 64, 8, 2, 0, "tuned", "tma_pair", 7]):
+        assert tuning.entry_to_config(bad) is None, bad
+    assert tuning.kernel_covers("tma_pair", key)
+    assert not tuning.kernel_covers("tma_pair", "fwd|bf16|d256|causal|none|n4096")
+    assert not tuning.kernel_covers("tma_pair", "bwd|bf16|d192|causal|none|n4096")

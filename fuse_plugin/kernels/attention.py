@@ -118,7 +118,7 @@ from .attention_bwd import (
     attention_bwd_dkdv_kernel,
     attention_bwd_dq_kernel,
 )
-from .attention_bwd_tma import attention_bwd_tma_kernel
+from .attention_bwd_tma import attention_bwd_dq_tma_kernel, attention_bwd_tma_kernel
 from .attention_fwd import attention_fwd_kernel
 from .attention_fwd_tma import attention_fwd_tma_kernel
 from .host import cdiv as _cdiv
@@ -147,6 +147,12 @@ class AttentionConfig(NamedTuple):
     * ``"two_kernel"`` (backward only): the atomic-free pair attention_bwd_dkdv_kernel +
       attention_bwd_dq_kernel (7 matmuls per block pair instead of 5, but no dQ atomics: faster
       where the atomic kernel's dQ traffic or registers dominate, e.g. D 256);
+    * ``"tma_pair"`` (backward only): the atomic-free pair with TMA tiles
+      (attention_bwd_tma.py) for the TMA kernels' problems with D in {64, 128, 256}: the dK/dV
+      kernel takes (block_m, block_n, num_warps, num_stages) and the dQ kernel ``dq_tile``
+      (the same tiles when None), ``block_m`` queries and ``block_n`` keys in both. A table
+      entry falls back to the general pair with ``_deterministic_backward_config``'s tiles
+      where it does not apply, a user-given config raises;
     * ``"gluon"`` / ``"gluon_pingpong"`` (forward only): the warp-specialised Hopper kernel
       (attention_fwd_gluon.py; sm_90 with Triton 3.6, the TMA kernels' problems) with
       ``block_m`` = 2 consumer warpgroups x 64 or 128 rows, ``block_n`` 64 or 128 keys,
@@ -168,17 +174,22 @@ class AttentionConfig(NamedTuple):
     num_stages: int
     split_d: bool = False
     kernel: str = "general"
+    # "tma_pair" only: (block_m, block_n, num_warps, num_stages) of its dQ kernel.
+    dq_tile: Optional[tuple] = None
 
     @property
     def tma(self) -> bool:
         return self.kernel == "tma"
 
 
-KERNEL_VARIANTS = ("general", "tma", "two_kernel", "gluon", "gluon_pingpong", "gluon_lpt")
+KERNEL_VARIANTS = ("general", "tma", "two_kernel", "tma_pair", "gluon", "gluon_pingpong",
+                   "gluon_lpt")
 _GLUON_KERNELS = ("gluon", "gluon_pingpong")
 _GLUON_BWD_KERNELS = ("gluon", "gluon_lpt")
 _KERNELS_OF = {"fwd": ("general", "tma", "gluon", "gluon_pingpong"),
-               "bwd": ("general", "tma", "two_kernel", "gluon", "gluon_lpt")}
+               "bwd": ("general", "tma", "two_kernel", "tma_pair", "gluon", "gluon_lpt")}
+# The atomic-free backward pairs (deterministic by construction).
+_PAIR_KERNELS = ("two_kernel", "tma_pair")
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,7 +258,8 @@ def _backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
 
 def _deterministic_backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
     """Tiles of the two atomic-free backward kernels (picked from sm_90 compiles as the largest
-    tiles without register spills)."""
+    tiles without register spills; above D 128 the H100's fastest, NOTES.md attempt 13, which
+    spill a little). Also what a table "tma_pair" entry falls back to."""
     d = max(_block_d(D), _block_d(Dv))
     if dtype == torch.float32:
         if d <= 64:
@@ -259,7 +271,7 @@ def _deterministic_backward_config(D: int, Dv: int, dtype: torch.dtype) -> Atten
         return AttentionConfig(64, 64, 8, 2)
     if d <= 128:
         return AttentionConfig(32, 64, 8, 2)
-    return AttentionConfig(32, 32, 8, 2)
+    return AttentionConfig(64, 64, 8, 2)
 
 
 # Smallest tiles, for the retry after a table/heuristic config failed to launch (shared memory).
@@ -297,6 +309,9 @@ def _smem_estimate(kernel: str, cfg: AttentionConfig, D: int, Dv: int, elt: int,
         if cfg.tma:  # TMA copies land in shared memory; P stays in registers (+ barriers)
             return resident + st * streamed + 1024
         return resident + st * streamed + bm * bn * elt
+    if cfg.kernel == "tma_pair":  # TMA copies in shared memory: resident + stages x streamed
+        qm, qn, _, qs = cfg.dq_tile or cfg[:4]
+        return max(bn + st * bm, qm + max(1, qs) * qn) * (dp + dvp) * elt + 1024
     resident = bn * (dp + dvp) * elt
     if cfg.tma:  # Q/dO copies in shared memory, the fp32 dQ tile of the TMA reduction, dS
         return resident + st * bm * (dp + dvp) * elt + bm * dp * 4 + bm * bn * elt + 4096
@@ -427,9 +442,12 @@ def _check_inputs(q, k, v, bias) -> None:
 
 
 def _check_config(cfg: AttentionConfig, kernel: str) -> None:
-    for blk in (cfg.block_m, cfg.block_n):
+    for blk in (cfg.block_m, cfg.block_n) + tuple(cfg.dq_tile or ())[:2]:
         if blk < 16 or blk & (blk - 1):
             raise ValueError(f"block sizes must be powers of 2 >= 16 (tl.dot, tl.arange): {cfg}")
+    if cfg.dq_tile is not None and (cfg.kernel != "tma_pair" or len(cfg.dq_tile) != 4):
+        raise ValueError(f"config {cfg}: dq_tile is (block_m, block_n, num_warps, num_stages) "
+                         "of the 'tma_pair' kernel's dQ kernel")
     if cfg.kernel not in KERNEL_VARIANTS:
         raise ValueError(f"config kernel must be one of {KERNEL_VARIANTS}, got {cfg.kernel!r}")
     if cfg.kernel not in _KERNELS_OF[kernel]:
@@ -567,15 +585,17 @@ def _table_tiles(scq, sck, bm, bn, W):
 
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 _TMA_HEAD_DIMS = (64, 128)
+_TMA_PAIR_HEAD_DIMS = (64, 128, 256)
 
 
-def _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv) -> Optional[str]:
+def _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv,
+                    head_dims=_TMA_HEAD_DIMS) -> Optional[str]:
     """None when the TMA kernels cover this problem, else why not (attention_fwd_tma.py; ``out``
     is the forward's output or the backward's dout, the other tensor they read by TMA)."""
     if kind != _NO_BIAS or dropout or rope_consts["ROT"]:
         return "it takes no bias, dropout or rope"
-    if D != Dv or D not in _TMA_HEAD_DIMS:
-        return f"it needs D == Dv in {_TMA_HEAD_DIMS}, got D={D}, Dv={Dv}"
+    if D != Dv or D not in head_dims:
+        return f"it needs D == Dv in {head_dims}, got D={D}, Dv={Dv}"
     if q.dtype not in _TMA_DTYPES or not (scale > 0):
         return f"it needs fp16/bf16 and a positive scale, got {q.dtype}, scale={scale}"
     if q.is_cuda and _capability(q.device)[0] < 9:
@@ -663,6 +683,44 @@ def _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, cfg):
         scale * 1.4426950408889634, D=D, IS_CAUSAL=bool(is_causal), BLOCK_M=bm, BLOCK_N=bn,
         PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m, is_causal, scale, score_scale,
+                         cfg, group_split):
+    """The atomic-free TMA pair (attention_bwd_tma.py): dK/dV by attention_bwd_tma_kernel without
+    its dQ share (GQA groups shared out over ``group_split`` programs as in the atomic path, the
+    fp32 partials summed in a fixed order), then dQ by attention_bwd_dq_tma_kernel with
+    ``cfg.dq_tile``."""
+    B, Hq, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    bm, bn = cfg.block_m, cfg.block_n
+    dots = dict(PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q))
+    split = group_split or _group_split(B * Hkv * _cdiv(Lk, bn), Hq // Hkv, q.device)
+    if Hq // Hkv % split:
+        raise ValueError(f"group_split={split} does not divide the GQA group of {Hq // Hkv}")
+    if split > 1:
+        dk_out = _empty((split, B, Hkv, Lk, D), torch.float32, q.device)
+        dv_out = _empty((split, B, Hkv, Lk, D), torch.float32, q.device)
+        split_strides = (dk_out.stride(0), dv_out.stride(0))
+    else:
+        dk_out, dv_out, split_strides = dk.unsqueeze(0), dv.unsqueeze(0), (0, 0)
+    q_desc, do_desc = _tma_descriptor(q, bm), _tma_descriptor(dout, bm)
+    attention_bwd_tma_kernel[(_cdiv(Lk, bn) * B * Hkv * split,)](
+        q_desc, _tma_descriptor(k, bn), _tma_descriptor(v, bn), do_desc,
+        q_desc, delta,  # dQ descriptor and buffer: unused without ADD_DQ
+        dk_out, dv_out, delta, row_m, *dk_out.stride()[1:4], *dv_out.stride()[1:4],
+        Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale, scale, split, *split_strides, D=D,
+        IS_CAUSAL=bool(is_causal), ADD_DQ=False, TMA_REDUCE=False, **dots, BLOCK_M=bm,
+        BLOCK_N=bn, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        dk.copy_(dk_out.sum(0))
+        dv.copy_(dv_out.sum(0))
+    qm, qn, qw, qs = cfg.dq_tile or cfg[:4]
+    attention_bwd_dq_tma_kernel[(_cdiv(Lq, qm) * B * Hq,)](
+        _tma_descriptor(q, qm), _tma_descriptor(k, qn), _tma_descriptor(v, qn),
+        _tma_descriptor(dout, qm), _tma_descriptor(dq, qm), delta, row_m,
+        Hq, Hq // Hkv, Lq, Lk, score_scale, scale, D=D, IS_CAUSAL=bool(is_causal), **dots,
+        BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs)
 
 
 def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
@@ -757,8 +815,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     """Returns ``(dq, dk, dv, dbias_or_None)``; see the module docstring. ``deterministic``
     (default: ``torch.are_deterministic_algorithms_enabled()``) picks the atomic-free kernels.
     With ``rope``, q and k are the un-rotated inputs and dq/dk the gradients w.r.t. them.
-    ``group_split`` (atomic path, default ``_group_split``) shares each GQA group's query heads
-    out over that many programs, whose fp32 dK/dV partials are then summed."""
+    ``group_split`` (atomic path and "tma_pair", default ``_group_split``) shares each GQA
+    group's query heads out over that many programs, whose fp32 dK/dV partials are then
+    summed."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     dout = dout.contiguous()
@@ -781,15 +840,28 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     user_given = config is not None
     if user_given:
         cfg = AttentionConfig(*config)
+        if cfg.dq_tile is not None:
+            cfg = cfg._replace(dq_tile=tuple(cfg.dq_tile))
     else:
         cfg = _pick_config("bwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
+    _check_config(cfg, "bwd")
+    use_tma_pair = False
+    if cfg.kernel == "tma_pair":
+        why_not = "it writes no dbias" if need_dbias else \
+            _tma_ineligible(q, k, v, dout, kind, rc, dropout, scale, D, Dv, _TMA_PAIR_HEAD_DIMS)
+        if why_not is None:
+            use_tma_pair = True
+        elif user_given:
+            raise ValueError(f"config {cfg} asks for the TMA backward pair, but {why_not}")
+        else:  # the general pair (or, with rope, the atomic kernel: below)
+            cfg = _deterministic_backward_config(D, Dv, q.dtype)._replace(kernel="two_kernel")
+    if not user_given and not use_tma_pair:
         if cfg.kernel == "two_kernel" and rc["ROT"] and not deterministic:
             # Tuned on plain problems: rope keeps the atomic kernel's heuristic tiles.
             cfg = _fit_smem("bwd", _backward_config(D, Dv, q.dtype), D, Dv, q.element_size(),
                             _bias_elt(bias_t, kind), dev)
         elif deterministic and (cfg.kernel != "two_kernel" or rc["ROT"]):
             cfg = _deterministic_backward_config(D, Dv, q.dtype)
-    _check_config(cfg, "bwd")
     if cfg.kernel in _GLUON_BWD_KERNELS and not deterministic:
         variant = _gluon_bwd_variant(cfg)
         if variant not in gluon_bwd.VARIANTS:
@@ -809,8 +881,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
             raise ValueError(f"config {cfg} asks for the Gluon backward kernel, but {why_not}")
         cfg = _fit_smem("bwd", _backward_config(D, Dv, q.dtype), D, Dv, q.element_size(),
                         _bias_elt(bias_t, kind), dev)
-    # The atomic-free pair is deterministic by construction; a table or user config may pick it.
-    deterministic = deterministic or cfg.kernel == "two_kernel"
+    # The atomic-free pairs are deterministic by construction; a table or user config may pick
+    # them.
+    deterministic = deterministic or cfg.kernel in _PAIR_KERNELS
     dq = _empty((B, Hq, Lq, D), q.dtype, dev)
     dk = _empty((B, Hkv, Lk, D), k.dtype, dev)
     dv = _empty((B, Hkv, Lk, Dv), v.dtype, dev)
@@ -851,6 +924,11 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     )
     ds_t = dbias if need_dbias else q
     ds_strides = dbias.stride() if need_dbias else (0, 0, 0, 0)
+    if use_tma_pair:
+        _launch(lambda c: _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m, is_causal,
+                                               scale, score_scale, c, group_split),
+                cfg, user_given, "tma_pair")
+        return dq, dk, dv, None
 
     if not deterministic:
         def launch(cfg):
@@ -871,7 +949,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                     _tma_descriptor(dout, bm), _tma_descriptor(dqa, bm), dqa, dk_out, dv_out,
                     delta, row_m, *dk_strides[:3], *dv_strides[:3], Hq, Hkv, Hq // Hkv, Lq, Lk,
                     score_scale, scale, split, *split_strides, D=D, IS_CAUSAL=bool(is_causal),
-                    TMA_REDUCE=not _interpreted(q), PRECISION=common["PRECISION"],
+                    ADD_DQ=True, TMA_REDUCE=not _interpreted(q), PRECISION=common["PRECISION"],
                     UPCAST_DOT=common["UPCAST_DOT"], BLOCK_M=bm, BLOCK_N=bn,
                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             else:

@@ -1,19 +1,27 @@
-"""Hopper backward of the plain attention case: the atomic-dQ backward with its tiles moved by
-TMA (tensor descriptors), and dQ added by TMA reductions.
+"""Hopper backward of the plain attention case, tiles moved by TMA (tensor descriptors): the
+atomic-dQ backward with dQ added by TMA reductions, and the atomic-free pair.
 
-Same problems as attention_fwd_tma.py (no bias, dropout or rope; fp16/bf16; ``Dv == D`` in
-{64, 128}; 16-byte aligned layouts), same program layout and order as ``attention_bwd_kernel``
-(one program per key block of a KV head, or of a share of its GQA group with ``group_split``),
-and the same inputs: the preprocess kernel's Delta / RowM rows and the zeroed fp32 dQ buffer
-(contiguous (B, Hq, Lq, D)), which ``attention_dq_cast_kernel`` scales and casts afterwards.
+Same problems as attention_fwd_tma.py (no bias, dropout or rope; fp16/bf16; ``Dv == D``;
+16-byte aligned layouts), with D in {64, 128} for the atomic kernel and {64, 128, 256} for the
+pair. Each tensor is a host-side 4-D descriptor over its (B, H, L, D) view with [1, 1, BLOCK, D]
+blocks, so a block's bounds are its head's rows: out-of-range rows read as zero and are never
+written. Both read the preprocess kernel's Delta / RowM rows (contiguous (B * Hq, Lq)).
 
-What TMA changes: the streamed Q and dO tiles land in shared memory without address or mask math,
-and each query block's dQ share, a [BLOCK_M, D] fp32 tile, is added by one bulk reduction
-(``cp.reduce.async.bulk``) instead of BLOCK_M * D element atomics. Out-of-range rows of a head
-read as zero and are never written (each tensor is a host-side 4-D descriptor over its
-(B, H, L, D) view with [1, 1, BLOCK, D] blocks, so a block's bounds are its head's rows).
-Triton's CPU interpreter has no descriptor reductions: there (``TMA_REDUCE`` off) dQ goes through element
-atomics, so CI checks everything but the reduction itself, which the GPU tests cover.
+* ``attention_bwd_tma_kernel``: program layout and order as ``attention_bwd_kernel`` (one
+  program per key block of a KV head, or of a share of its GQA group with ``group_split``);
+  dK/dV in registers; with ``ADD_DQ`` each query block's dQ share, a [BLOCK_M, D] fp32 tile, is
+  added into the zeroed fp32 buffer DQA (contiguous (B, Hq, Lq, D), scaled and cast afterwards
+  by ``attention_dq_cast_kernel``) by one bulk reduction (``cp.reduce.async.bulk``) instead of
+  BLOCK_M * D element atomics. Triton's CPU interpreter has no descriptor reductions: there
+  (``TMA_REDUCE`` off) dQ goes through element atomics, so CI checks everything but the
+  reduction itself, which the GPU tests cover.
+* The atomic-free pair: ``attention_bwd_tma_kernel`` without ``ADD_DQ`` (dK/dV only), then
+  ``attention_bwd_dq_tma_kernel`` (one program per query block: dQ = sum over key blocks of
+  dS K, which recomputes S and dP: 7 matmuls per block pair instead of 5). No atomics, so it is
+  deterministic; at D 256, where a [BLOCK_M, 256] fp32 dQ share per key block is heavy and
+  registers are short, it is also the fastest (RESULTS.md, stop 11). Each kernel has its own
+  tiles (``AttentionConfig.dq_tile``): dK/dV keep 2 x BLOCK_N x D fp32 accumulators, dQ one
+  BLOCK_M x D.
 """
 from __future__ import annotations
 
@@ -33,7 +41,8 @@ from .attention_tiles import (
 @triton.jit
 def _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM, Delta, stat_base,
                   start_n, start_m, offs_n, offs_m, Lq, Lk, score_scale, IS_CAUSAL: tl.constexpr,
-                  MASK: tl.constexpr, TMA_REDUCE: tl.constexpr, D: tl.constexpr,
+                  MASK: tl.constexpr, ADD_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr,
+                  D: tl.constexpr,
                   BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
     """One (key block, query block) pair on transposed (keys x queries) tiles, as ``_bwd_step``
     of the general kernel: dV += P^T dO, dK += dS^T Q in registers, dQ += dS K by TMA reduction
@@ -57,11 +66,12 @@ def _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM, D
     dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
     ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
     dk = _dot_acc(ds_t, q, dk, PRECISION, UPCAST_DOT)
-    dq = _dot(tl.trans(ds_t), k, PRECISION, UPCAST_DOT)
-    if TMA_REDUCE:
-        dq_desc.atomic_add([b, h, start_m, 0], dq.reshape(1, 1, BLOCK_M, D))
-    else:  # Triton's interpreter has no descriptor reductions: element atomics
-        _atomic_add_tile(dq_base, dq, start_m, Lq, D, D, BLOCK_M, D)
+    if ADD_DQ:
+        dq = _dot(tl.trans(ds_t), k, PRECISION, UPCAST_DOT)
+        if TMA_REDUCE:
+            dq_desc.atomic_add([b, h, start_m, 0], dq.reshape(1, 1, BLOCK_M, D))
+        else:  # Triton's interpreter has no descriptor reductions: element atomics
+            _atomic_add_tile(dq_base, dq, start_m, Lq, D, D, BLOCK_M, D)
     return dk, dv
 
 
@@ -72,7 +82,7 @@ def attention_bwd_tma_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale,
     group_split, split_stride_dk, split_stride_dv,
-    D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    D: tl.constexpr, IS_CAUSAL: tl.constexpr, ADD_DQ: tl.constexpr,
     TMA_REDUCE: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -98,7 +108,7 @@ def attention_bwd_tma_kernel(
         for start_m in range(lo, mid, BLOCK_M):
             dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM,
                                    Delta, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
-                                   score_scale, IS_CAUSAL, True, TMA_REDUCE, D, BLOCK_M,
+                                   score_scale, IS_CAUSAL, True, ADD_DQ, TMA_REDUCE, D, BLOCK_M,
                                    PRECISION, UPCAST_DOT)
         # Fully visible blocks from a per-program rotation (key blocks of one head do not all
         # reduce into the same dQ rows at once).
@@ -106,7 +116,7 @@ def attention_bwd_tma_kernel(
             start_m = mid + ((j + pid_n) % n_full) * BLOCK_M
             dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM,
                                    Delta, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
-                                   score_scale, IS_CAUSAL, False, TMA_REDUCE, D, BLOCK_M,
+                                   score_scale, IS_CAUSAL, False, ADD_DQ, TMA_REDUCE, D, BLOCK_M,
                                    PRECISION, UPCAST_DOT)
 
     split64 = split.to(tl.int64)
@@ -116,3 +126,72 @@ def attention_bwd_tma_kernel(
              dk, start_n, Lk, stride_dkn, 1, D, D, 0, BLOCK_N)
     _store_d(DV + split64 * split_stride_dv + b64 * stride_dvb + kvh64 * stride_dvh, dv, dv,
              start_n, Lk, stride_dvn, 1, D, D, 0, BLOCK_N)
+
+
+@triton.jit
+def _tma_dq_step(q, do, dq, k_desc, v_desc, b, kvh, row_m, delta, start_m, start_n, offs_m,
+                 offs_n, Lk, score_scale, IS_CAUSAL: tl.constexpr, MASK: tl.constexpr,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST_DOT: tl.constexpr):
+    """dQ += dS K for one key block (unscaled): S and dP = dO V^T recomputed from the tiles."""
+    k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
+    v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
+    p = tl.exp2(_dot(q, tl.trans(k), PRECISION, UPCAST_DOT) * score_scale - row_m[:, None])
+    if MASK:
+        cols = start_n + offs_n
+        visible = cols[None, :] < Lk
+        if IS_CAUSAL:
+            visible = visible & ((start_m + offs_m)[:, None] >= cols[None, :])
+        p = tl.where(visible, p, 0.0)
+    dp = _dot(do, tl.trans(v), PRECISION, UPCAST_DOT)
+    ds = (p * (dp - delta[:, None])).to(k.dtype)
+    return _dot_acc(ds, k, dq, PRECISION, UPCAST_DOT)
+
+
+@triton.jit
+def attention_bwd_dq_tma_kernel(
+    q_desc, k_desc, v_desc, do_desc, dq_desc, Delta, RowM,
+    Hq, kv_group, Lq, Lk, score_scale, sm_scale,
+    D: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dQ of one query block of one query head (the dQ kernel of the atomic-free pair): dQ =
+    scale * sum over its visible key blocks of dS K, stored by TMA in dq_desc's dtype."""
+    n_m_blocks = tl.cdiv(Lq, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = n_m_blocks - 1 - pid % n_m_blocks  # causal: the heaviest query blocks first
+    pid_bh = pid // n_m_blocks
+    b = pid_bh // Hq
+    h = pid_bh % Hq
+    kvh = h // kv_group
+    start_m = pid_m * BLOCK_M
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    rows = start_m + offs_m
+    row_ok = rows < Lq
+    # Padding query rows get RowM = +inf, hence p = 0 (their q/dO rows also read as zeros).
+    stat_off = pid_bh.to(tl.int64) * Lq + rows
+    row_m = tl.load(RowM + stat_off, mask=row_ok, other=float("inf"))
+    delta = tl.load(Delta + stat_off, mask=row_ok, other=0.0)
+    q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
+    do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+
+    # Key blocks before ``mid`` are fully visible; [mid, hi) need the mask: the causal diagonal,
+    # and a last partial key block (its zero-filled keys would get p = exp2(-RowM), not 0).
+    mid = (Lk // BLOCK_N) * BLOCK_N
+    if IS_CAUSAL:
+        hi = tl.minimum(Lk, start_m + BLOCK_M)
+        mid = tl.minimum(mid, (start_m // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Lk
+    for start_n in range(0, mid, BLOCK_N):
+        dq = _tma_dq_step(q, do, dq, k_desc, v_desc, b, kvh, row_m, delta, start_m, start_n,
+                          offs_m, offs_n, Lk, score_scale, IS_CAUSAL, False, D, BLOCK_N,
+                          PRECISION, UPCAST_DOT)
+    for start_n in range(mid, hi, BLOCK_N):
+        dq = _tma_dq_step(q, do, dq, k_desc, v_desc, b, kvh, row_m, delta, start_m, start_n,
+                          offs_m, offs_n, Lk, score_scale, IS_CAUSAL, True, D, BLOCK_N,
+                          PRECISION, UPCAST_DOT)
+    dq = dq * sm_scale
+    dq_desc.store([b, h, start_m, 0], dq.to(dq_desc.dtype).reshape(1, 1, BLOCK_M, D))

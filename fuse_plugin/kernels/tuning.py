@@ -21,7 +21,9 @@ An entry is ``[block_m, block_n, num_warps, num_stages, split_d, source]`` where
 it was obtained (``tuned``, ``from:<key>`` for a copy of a tuned sibling, ``heuristic``),
 optionally followed by the kernel family when it is not the general one
 (``AttentionConfig.kernel``): ``"tma"``, the Hopper TMA kernels (only on keys they cover: no mask,
-fp16/bf16, d64/d128), ``"two_kernel"``, the atomic-free backward pair (backward keys only), or
+fp16/bf16, d64/d128), ``"two_kernel"``, the atomic-free backward pair (backward keys only),
+``"tma_pair"``, that pair with TMA tiles (no-mask fp16/bf16 backward keys of d64/d128/d256),
+followed by its dQ kernel's ``[block_m, block_n, num_warps, num_stages]``, or
 ``"gluon"`` / ``"gluon_pingpong"`` (forward) and ``"gluon"`` / ``"gluon_lpt"`` (backward),
 the warp-specialised Gluon kernels (the TMA kernels' keys).
 Set ``FUSE_PLUGIN_ATTENTION_TABLE`` to a JSON path to use another table file, or to ``off`` to
@@ -94,22 +96,39 @@ def load_table(path) -> Optional[dict]:
 
 
 # The optional 7th element of an entry (AttentionConfig.kernel when not "general").
-ENTRY_KERNELS = ("tma", "two_kernel", "gluon", "gluon_pingpong", "gluon_lpt")
+ENTRY_KERNELS = ("tma", "two_kernel", "tma_pair", "gluon", "gluon_pingpong", "gluon_lpt")
+
+
+def _tile(values) -> Optional[tuple]:
+    """(block_m, block_n, num_warps, num_stages) when well-formed, else None."""
+    try:
+        bm, bn, w, s = (int(x) for x in values)
+    except (TypeError, ValueError):
+        return None
+    pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731
+    return (bm, bn, w, s) if pow2(bm) and pow2(bn) and w in (1, 2, 4, 8, 16) and s >= 1 else None
 
 
 def entry_to_config(entry) -> Optional[tuple]:
-    """(block_m, block_n, num_warps, num_stages, split_d, kernel) of a well-formed entry, else
-    None."""
+    """(block_m, block_n, num_warps, num_stages, split_d, kernel, dq_tile) of a well-formed
+    entry (``dq_tile`` None but for "tma_pair"), else None."""
+    if not isinstance(entry, (list, tuple)) or not 6 <= len(entry) <= 8:
+        return None
+    tile = _tile(entry[:4])
     try:
-        bm, bn, w, s, split = (int(x) for x in entry[:5])
-    except (TypeError, ValueError, IndexError):
+        split = bool(int(entry[4]))
+    except (TypeError, ValueError):
         return None
-    pow2 = lambda x: x >= 16 and x & (x - 1) == 0  # noqa: E731
-    if not (pow2(bm) and pow2(bn) and w in (1, 2, 4, 8, 16) and s >= 1):
+    kernel = entry[6] if len(entry) >= 7 else "general"
+    if tile is None or (len(entry) >= 7 and kernel not in ENTRY_KERNELS):
         return None
-    if len(entry) > 7 or (len(entry) == 7 and entry[6] not in ENTRY_KERNELS):
-        return None
-    return bm, bn, w, s, bool(split), entry[6] if len(entry) == 7 else "general"
+    dq_tile = None
+    if len(entry) == 8:
+        ok = kernel == "tma_pair" and isinstance(entry[7], (list, tuple)) and len(entry[7]) == 4
+        dq_tile = _tile(entry[7]) if ok else None
+        if dq_tile is None:
+            return None
+    return (*tile, split, kernel, dq_tile)
 
 
 def tma_key(key: str) -> bool:
@@ -124,6 +143,10 @@ def kernel_covers(kernel: str, key: str) -> bool:
         return tma_key(key)
     if kernel == "two_kernel":
         return parse_key(key)["kernel"] == "bwd"
+    if kernel == "tma_pair":
+        p = parse_key(key)
+        return p["kernel"] == "bwd" and p["dtype"] in ("fp16", "bf16") and p["mask"] == "none" \
+            and p["dbucket"] in (64, 128, 256)
     if kernel == "gluon":
         return tma_key(key)
     if kernel == "gluon_pingpong":
