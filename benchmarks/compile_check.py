@@ -30,7 +30,7 @@ import fuse_plugin.kernels.attention as A  # noqa: E402
 
 KERNELS = ["attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_tma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",
            "attention_dq_cast_kernel", "attention_dq_rope_cast_kernel", "attention_bwd_dkdv_kernel",
-           "attention_bwd_dq_kernel", "attention_bwd_dq_tma_kernel"]
+           "attention_bwd_dq_kernel", "attention_bwd_dkdv_tma_kernel", "attention_bwd_dq_tma_kernel"]
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
            torch.int64: "*i64", torch.uint8: "*u8"}
 

@@ -463,8 +463,8 @@ def test_tma_kernels_match_reference(monkeypatch, case):
     assert spies["attention_bwd_tma_kernel"].launches == 1
 
 
-# The atomic-free pair with TMA tiles ("tma_pair"): the dK/dV kernel (attention_bwd_tma_kernel
-# without its dQ share) and the dQ kernel, each with its own tiles; D 256 too.
+# The atomic-free pair with TMA tiles ("tma_pair"): the dK/dV kernel and the dQ kernel, each with
+# its own tiles; D 256 too.
 TMA_PAIR_CASES = TMA_CASES | {
     "bf16-d256-gqa-causal-lq-lt-lk": dict(
         dtype=torch.bfloat16, B=1, Hq=4, Hkv=2, Lq=23, Lk=40, D=256, Dv=256, causal=True,
@@ -481,8 +481,8 @@ def test_tma_pair_matches_reference(monkeypatch, case):
     """The backward through the TMA pair (outputs poisoned with NaN beforehand), in and out of
     deterministic mode (it is atomic-free, so both run it), with the group split of the case."""
     spies = {}
-    for name in ("attention_bwd_tma_kernel", "attention_bwd_dq_tma_kernel", "attention_bwd_kernel",
-                 "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
+    for name in ("attention_bwd_dkdv_tma_kernel", "attention_bwd_dq_tma_kernel",
+                 "attention_bwd_tma_kernel", "attention_bwd_kernel", "attention_bwd_dkdv_kernel"):
         spies[name] = _LaunchSpy(getattr(attn, name))
         monkeypatch.setattr(attn, name, spies[name])
     case = {n: v for n, v in case.items() if n != "config"}

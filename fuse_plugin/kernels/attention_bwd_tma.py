@@ -9,19 +9,19 @@ written. Both read the preprocess kernel's Delta / RowM rows (contiguous (B * Hq
 
 * ``attention_bwd_tma_kernel``: program layout and order as ``attention_bwd_kernel`` (one
   program per key block of a KV head, or of a share of its GQA group with ``group_split``);
-  dK/dV in registers; with ``ADD_DQ`` each query block's dQ share, a [BLOCK_M, D] fp32 tile, is
-  added into the zeroed fp32 buffer DQA (contiguous (B, Hq, Lq, D), scaled and cast afterwards
-  by ``attention_dq_cast_kernel``) by one bulk reduction (``cp.reduce.async.bulk``) instead of
+  dK/dV in registers; each query block's dQ share, a [BLOCK_M, D] fp32 tile, is added into the
+  zeroed fp32 buffer DQA (contiguous (B, Hq, Lq, D), scaled and cast afterwards by
+  ``attention_dq_cast_kernel``) by one bulk reduction (``cp.reduce.async.bulk``) instead of
   BLOCK_M * D element atomics. Triton's CPU interpreter has no descriptor reductions: there
   (``TMA_REDUCE`` off) dQ goes through element atomics, so CI checks everything but the
   reduction itself, which the GPU tests cover.
-* The atomic-free pair: ``attention_bwd_tma_kernel`` without ``ADD_DQ`` (dK/dV only), then
-  ``attention_bwd_dq_tma_kernel`` (one program per query block: dQ = sum over key blocks of
-  dS K, which recomputes S and dP: 7 matmuls per block pair instead of 5). No atomics, so it is
-  deterministic; at D 256, where a [BLOCK_M, 256] fp32 dQ share per key block is heavy and
-  registers are short, it is also the fastest (RESULTS.md, stop 11). Each kernel has its own
-  tiles (``AttentionConfig.dq_tile``): dK/dV keep 2 x BLOCK_N x D fp32 accumulators, dQ one
-  BLOCK_M x D.
+* The atomic-free pair: ``attention_bwd_dkdv_tma_kernel`` (dK/dV only, same program layout,
+  query blocks in order), then ``attention_bwd_dq_tma_kernel`` (one program per query block:
+  dQ = sum over key blocks of dS K, which recomputes S and dP: 7 matmuls per block pair instead
+  of 5). No atomics, so it is deterministic; at D 256, where a [BLOCK_M, 256] fp32 dQ share per
+  key block is heavy and registers are short, it is also the fastest (RESULTS.md, stop 11).
+  Each kernel has its own tiles (``AttentionConfig.dq_tile``): dK/dV keep 2 x BLOCK_N x D fp32
+  accumulators, dQ one BLOCK_M x D.
 """
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ from .attention_tiles import (
 def _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM, Delta, stat_base,
                   start_n, start_m, offs_n, offs_m, Lq, Lk, score_scale, IS_CAUSAL: tl.constexpr,
                   MASK: tl.constexpr, ADD_DQ: tl.constexpr, TMA_REDUCE: tl.constexpr,
-                  D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+                  D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+                  UPCAST_DOT: tl.constexpr):
     """One (key block, query block) pair on transposed (keys x queries) tiles, as ``_bwd_step``
-    of the general kernel: dV += P^T dO, dK += dS^T Q in registers, dQ += dS K by TMA reduction
-    (unscaled; the cast kernel applies the softmax scale)."""
+    of the general kernel: dV += P^T dO, dK += dS^T Q in registers; with ADD_DQ (the atomic
+    kernel, not the pair) also dQ += dS K by TMA reduction into dq_desc (unscaled; the cast
+    kernel applies the softmax scale)."""
     q = q_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
     do = do_desc.load([b, h, start_m, 0]).reshape(BLOCK_M, D)
     rows = start_m + offs_m
@@ -82,7 +83,7 @@ def attention_bwd_tma_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale,
     group_split, split_stride_dk, split_stride_dv,
-    D: tl.constexpr, IS_CAUSAL: tl.constexpr, ADD_DQ: tl.constexpr,
+    D: tl.constexpr, IS_CAUSAL: tl.constexpr,
     TMA_REDUCE: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -108,7 +109,7 @@ def attention_bwd_tma_kernel(
         for start_m in range(lo, mid, BLOCK_M):
             dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM,
                                    Delta, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
-                                   score_scale, IS_CAUSAL, True, ADD_DQ, TMA_REDUCE, D, BLOCK_M,
+                                   score_scale, IS_CAUSAL, True, True, TMA_REDUCE, D, BLOCK_M,
                                    PRECISION, UPCAST_DOT)
         # Fully visible blocks from a per-program rotation (key blocks of one head do not all
         # reduce into the same dQ rows at once).
@@ -116,7 +117,7 @@ def attention_bwd_tma_kernel(
             start_m = mid + ((j + pid_n) % n_full) * BLOCK_M
             dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM,
                                    Delta, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
-                                   score_scale, IS_CAUSAL, False, ADD_DQ, TMA_REDUCE, D, BLOCK_M,
+                                   score_scale, IS_CAUSAL, False, True, TMA_REDUCE, D, BLOCK_M,
                                    PRECISION, UPCAST_DOT)
 
     split64 = split.to(tl.int64)
@@ -126,6 +127,58 @@ def attention_bwd_tma_kernel(
              dk, start_n, Lk, stride_dkn, 1, D, D, 0, BLOCK_N)
     _store_d(DV + split64 * split_stride_dv + b64 * stride_dvb + kvh64 * stride_dvh, dv, dv,
              start_n, Lk, stride_dvn, 1, D, D, 0, BLOCK_N)
+
+
+@triton.jit
+def attention_bwd_dkdv_tma_kernel(
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Delta, RowM,
+    B, Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale, group_split,
+    D: tl.constexpr, IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dK, dV of one key block of one KV head (the dK/dV kernel of the atomic-free pair), stored
+    by TMA. With ``group_split`` > 1 each program takes a share of the GQA group's query heads
+    and stores its partial sums at rows ``split * B + b`` of dk_desc / dv_desc (fp32
+    (group_split * B, Hkv, Lk, D) buffers the launcher sums)."""
+    pid_n, split, b, kvh, heads_per_split = _key_block_program(Lk, Hkv, kv_group, group_split,
+                                                               BLOCK_N)
+    start_n = pid_n * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
+    v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    # Causal: query blocks [lo, mid) hold the diagonal (masked), later ones see every key of
+    # this block. Padding keys of a last partial key block need no mask here: they only reach
+    # their own dK/dV rows, which the store clips.
+    if IS_CAUSAL:
+        lo = (start_n // BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M, Lq)
+    else:
+        lo = 0
+        mid = 0
+    for g in range(split * heads_per_split, (split + 1) * heads_per_split):
+        h = kvh * kv_group + g
+        stat_base = (b.to(tl.int64) * Hq + h) * Lq
+        if IS_CAUSAL:
+            for start_m in range(lo, mid, BLOCK_M):
+                dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, q_desc, Delta, b, h, RowM,
+                                       Delta, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
+                                       score_scale, IS_CAUSAL, True, False, False, D, BLOCK_M,
+                                       PRECISION, UPCAST_DOT)
+        # Fully visible blocks in order (no atomics to spread out): the programs running
+        # together stream the same Q/dO tiles, which L2 then serves (at D 256 a head's Q and dO
+        # are 4 MB at N = 4k, read once per key block).
+        for start_m in range(mid, Lq, BLOCK_M):
+            dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, q_desc, Delta, b, h, RowM, Delta,
+                                   stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
+                                   score_scale, IS_CAUSAL, False, False, False, D, BLOCK_M,
+                                   PRECISION, UPCAST_DOT)
+    row = split * B + b
+    dk_desc.store([row, kvh, start_n, 0],
+                  (dk * sm_scale).to(dk_desc.dtype).reshape(1, 1, BLOCK_N, D))
+    dv_desc.store([row, kvh, start_n, 0], dv.to(dv_desc.dtype).reshape(1, 1, BLOCK_N, D))
 
 
 @triton.jit
