@@ -202,6 +202,11 @@ CASES = {
     "fp16-split-d80-floatbias-dbias": dict(
         dtype=torch.float16, B=2, Hq=2, Hkv=1, Lq=45, Lk=37, D=80, Dv=80, causal=True,
         bias="float_11", need_dbias=True, config=(32, 16, 4, 1, True)),
+    # A large head dim with the default tiles (deterministic: the general pair's 64 x 64, the
+    # fallback of a table "tma_pair" entry; atomic: 32 x 64), MQA, causal, partial blocks.
+    "bf16-d160-default-tiles": dict(
+        dtype=torch.bfloat16, B=1, Hq=2, Hkv=1, Lq=70, Lk=70, D=160, Dv=160, causal=True,
+        bias=None),
     # Non-causal, lengths that are exact multiples of the tiles (no partial block at all), a
     # negative scale (the fully visible blocks take the row max from the raw dots).
     "fp32-aligned-negative-scale": dict(
