@@ -21,6 +21,7 @@ from .attention_tiles import (
     _load_tile,
     _pair_ptrs,
     _probs,
+    _query_block_program,
     _query_blocks,
     _scores,
     _store_d,
@@ -490,14 +491,10 @@ def attention_bwd_dq_kernel(
 ):
     """dQ of one query block (dQ += dS K * scale over the visible key blocks); with NEED_DS also
     writes every element of that block's rows of dS (zeros for causally skipped key blocks)."""
-    n_m_blocks = tl.cdiv(Lq, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_m = n_m_blocks - 1 - pid % n_m_blocks
-    pid_bh = pid // n_m_blocks
-    b = (pid_bh // Hq).to(tl.int64)
-    h = (pid_bh % Hq).to(tl.int64)
-    kvh = h // kv_group
-    start_m = pid_m * BLOCK_M
+    pid_bh, b, h, kvh, start_m = _query_block_program(Lq, Hq, kv_group, BLOCK_M)
+    b = b.to(tl.int64)
+    h = h.to(tl.int64)
+    kvh = kvh.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     rows = start_m + offs_m

@@ -33,9 +33,25 @@ from .attention_tiles import (
     _dot,
     _dot_acc,
     _key_block_program,
+    _query_block_program,
     _query_blocks,
     _store_d,
 )
+
+
+@triton.jit
+def _tma_key_block(k_desc, v_desc, Lk, Hkv, kv_group, group_split, D: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """A key-block program's start (``_key_block_program``): its K and V tiles and zeroed
+    fp32 dK / dV accumulators."""
+    pid_n, split, b, kvh, heads_per_split = _key_block_program(Lk, Hkv, kv_group, group_split,
+                                                               BLOCK_N)
+    start_n = pid_n * BLOCK_N
+    k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
+    v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
+    dk = tl.zeros([BLOCK_N, D], tl.float32)
+    dv = tl.zeros([BLOCK_N, D], tl.float32)
+    return pid_n, split, b, kvh, heads_per_split, start_n, k, v, dk, dv
 
 
 @triton.jit
@@ -90,17 +106,10 @@ def attention_bwd_tma_kernel(
     """dK, dV of one key block of one KV head (its GQA group's query heads, or a ``group_split``
     share of them: partial dK/dV then go to fp32 buffers at DK/DV + split * split_stride_*),
     and that key block's share of dQ, added into DQA (also described by ``dq_desc``)."""
-    pid_n, split, b, kvh, heads_per_split = _key_block_program(Lk, Hkv, kv_group, group_split,
-                                                               BLOCK_N)
-    start_n = pid_n * BLOCK_N
+    pid_n, split, b, kvh, heads_per_split, start_n, k, v, dk, dv = _tma_key_block(
+        k_desc, v_desc, Lk, Hkv, kv_group, group_split, D, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-
-    k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
-    v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
-    dk = tl.zeros([BLOCK_N, D], tl.float32)
-    dv = tl.zeros([BLOCK_N, D], tl.float32)
-
     lo, mid, n_full = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for g in range(split * heads_per_split, (split + 1) * heads_per_split):
         h = kvh * kv_group + g
@@ -140,15 +149,10 @@ def attention_bwd_dkdv_tma_kernel(
     by TMA. With ``group_split`` > 1 each program takes a share of the GQA group's query heads
     and stores its partial sums at rows ``split * B + b`` of dk_desc / dv_desc (fp32
     (group_split * B, Hkv, Lk, D) buffers the launcher sums)."""
-    pid_n, split, b, kvh, heads_per_split = _key_block_program(Lk, Hkv, kv_group, group_split,
-                                                               BLOCK_N)
-    start_n = pid_n * BLOCK_N
+    pid_n, split, b, kvh, heads_per_split, start_n, k, v, dk, dv = _tma_key_block(
+        k_desc, v_desc, Lk, Hkv, kv_group, group_split, D, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    k = k_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
-    v = v_desc.load([b, kvh, start_n, 0]).reshape(BLOCK_N, D)
-    dk = tl.zeros([BLOCK_N, D], tl.float32)
-    dv = tl.zeros([BLOCK_N, D], tl.float32)
     # Causal: query blocks [lo, mid) hold the diagonal (masked), later ones see every key of
     # this block. Padding keys of a last partial key block need no mask here: they only reach
     # their own dK/dV rows, which the store clips.
@@ -210,14 +214,7 @@ def attention_bwd_dq_tma_kernel(
 ):
     """dQ of one query block of one query head (the dQ kernel of the atomic-free pair): dQ =
     scale * sum over its visible key blocks of dS K, stored by TMA in dq_desc's dtype."""
-    n_m_blocks = tl.cdiv(Lq, BLOCK_M)
-    pid = tl.program_id(0)
-    pid_m = n_m_blocks - 1 - pid % n_m_blocks  # causal: the heaviest query blocks first
-    pid_bh = pid // n_m_blocks
-    b = pid_bh // Hq
-    h = pid_bh % Hq
-    kvh = h // kv_group
-    start_m = pid_m * BLOCK_M
+    pid_bh, b, h, kvh, start_m = _query_block_program(Lq, Hq, kv_group, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     rows = start_m + offs_m

@@ -156,6 +156,19 @@ def _key_block_program(Lk, Hkv, kv_group, group_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _query_block_program(Lq, Hq, kv_group, BLOCK_M: tl.constexpr):
+    """What a program of the dQ kernels owns: ``(pid_bh, b, h, kvh, start_m)``, query block
+    ``start_m`` of query head ``h`` of batch ``b`` (``pid_bh = b * Hq + h``) and its KV head;
+    the last query blocks, causally the heaviest, first."""
+    n_m_blocks = tl.cdiv(Lq, BLOCK_M)
+    pid = tl.program_id(0)
+    pid_m = n_m_blocks - 1 - pid % n_m_blocks
+    pid_bh = pid // n_m_blocks
+    h = pid_bh % Hq
+    return pid_bh, pid_bh // Hq, h, h // kv_group, pid_m * BLOCK_M
+
+
+@triton.jit
 def _query_blocks(start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr):
     """The atomic backward's query range for the key block at ``start_n``: ``(lo, mid, n_full)``.
