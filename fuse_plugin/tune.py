@@ -637,7 +637,7 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
         cfg = None
         if got is not None and len(got[0]) >= 7 and not tuning.kernel_covers(got[0][6], key):
             if got[0][6] == "tma_pair":  # a mask key: what such an entry falls back to at run time
-                cfg = A._deterministic_backward_config(d, d, dt)._replace(kernel="two_kernel")
+                cfg = A._tma_pair_fallback(d, d, dt)
                 src = "heuristic"
             got = None  # e.g. a TMA-kernel entry on a key that kernel does not cover
         bias_elt = {"none": 0, "bool": 1, "float": 4}[p["mask"]]

@@ -282,6 +282,13 @@ def _deterministic_backward_config(D: int, Dv: int, dtype: torch.dtype) -> Atten
     return AttentionConfig(64, 64, 8, 2)
 
 
+def _tma_pair_fallback(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
+    """What a table "tma_pair" entry runs where the TMA pair cannot (a mask, dropout, rope,
+    another head dim, a layout): the general atomic-free pair with its deterministic tiles (the
+    tuner's fill step writes the same for mask keys)."""
+    return _deterministic_backward_config(D, Dv, dtype)._replace(kernel="two_kernel")
+
+
 # Smallest tiles, for the retry after a table/heuristic config failed to launch (shared memory).
 _SAFE_CONFIG = AttentionConfig(32, 32, 4, 1)
 
@@ -859,7 +866,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         elif user_given:
             raise ValueError(f"config {cfg} asks for the TMA backward pair, but {why_not}")
         else:  # the general pair (or, with rope, the atomic kernel: below)
-            cfg = _deterministic_backward_config(D, Dv, q.dtype)._replace(kernel="two_kernel")
+            cfg = _tma_pair_fallback(D, Dv, q.dtype)
     if not user_given and not use_tma_pair:
         if cfg.kernel == "two_kernel" and rc["ROT"] and not deterministic:
             # Tuned on plain problems: rope keeps the atomic kernel's heuristic tiles.
