@@ -108,11 +108,12 @@ from typing import NamedTuple, Optional
 import torch
 import triton
 from triton.runtime.errors import OutOfResources
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import attention_bwd_gluon as gluon_bwd
 from . import attention_fwd_gluon as gluon_fwd
 from . import tuning
+from .launch import (Desc, aligned16, descriptors_traceable, is_tracing, launch,
+                     python_ops_allowed, tma_strides_ok)
 from .attention_bwd import (
     attention_bwd_preprocess_kernel,
     attention_bwd_kernel,
@@ -358,22 +359,25 @@ def _pick_config(kernel: str, q: torch.Tensor, D: int, Dv: int, causal: bool, ki
 _FAILED_CONFIGS: dict = {}
 
 
-def _launch(launch, cfg: AttentionConfig, user_given: bool, variant: Optional[str] = None):
-    """Runs ``launch(cfg)``. A table/heuristic config the GPU cannot hold (shared memory, e.g. a
+def _launch(run, cfg: AttentionConfig, user_given: bool, variant: Optional[str] = None):
+    """Runs ``run(cfg)``. A table/heuristic config the GPU cannot hold (shared memory, e.g. a
     table entry tuned with a bf16 bias meeting an fp32 one) is retried with fewer pipeline
     stages, then with the smallest tiles, with a warning, rather than failing the user's call;
     the working fallback is remembered (per ``variant``: the rope kernels, which hold more, keep
     their own memo so that they never downgrade the plain kernels). A config the user passed is
-    never changed."""
+    never changed. Traced (kernels/launch.py) nothing runs yet: the launch is recorded once,
+    with the fallback a failed eager launch left in the memo."""
     if user_given:
-        return launch(cfg)
+        return run(cfg)
     tries = [cfg] + [cfg._replace(num_stages=s) for s in range(cfg.num_stages - 1, 0, -1)]
     tries.append(_SAFE_CONFIG)
     memo = cfg if variant is None else (variant, cfg)
     start = _FAILED_CONFIGS.get(memo, 0)
+    if is_tracing():
+        return run(tries[start])
     for i in range(start, len(tries)):
         try:
-            result = launch(tries[i])
+            result = run(tries[i])
         except OutOfResources as e:
             if i + 1 == len(tries):
                 raise
@@ -615,11 +619,12 @@ def _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv,
         return f"it needs fp16/bf16 and a positive scale, got {q.dtype}, scale={scale}"
     if q.is_cuda and _capability(q.device)[0] < 9:
         return "TMA needs compute capability 9.0 or newer"
+    if is_tracing() and not descriptors_traceable():
+        return "this torch takes no host-side TMA descriptors into compiled graphs"
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         # TMA: 16-byte aligned base and non-zero strides (the head-dim stride is 1, see
-        # _unit_last_stride; strides of size-1 dims are never used, see _tma_descriptor).
-        if t.data_ptr() % 16 or any(n > 1 and (st <= 0 or st * t.element_size() % 16)
-                                    for n, st in zip(t.shape[:3], t.stride()[:3])):
+        # _unit_last_stride; launch.tma_strides_ok says which strides of size-1 dims count).
+        if not (aligned16(t) and tma_strides_ok(t)):
             return f"{name}'s address or strides {t.stride()} are not 16-byte multiples"
     return None
 
@@ -633,16 +638,42 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _gluon_platform_ineligible(q, k) -> Optional[str]:
+def _gluon_platform_ineligible(q, k, is_causal: bool = False) -> Optional[str]:
     """None when the Gluon forward (attention_fwd_gluon.py) can run here, else why not: sm_90 with
     the Triton its Gluon code is written for. (Its problems are the TMA kernels': the caller
-    checks ``_tma_ineligible`` too.)"""
+    checks ``_tma_ineligible`` too.) Traced, see ``_gluon_traced_ineligible``."""
     if not gluon_fwd.GLUON_AVAILABLE:
         return gluon_fwd._GLUON_WHY_NOT
     if not q.is_cuda or _capability(q.device) != (9, 0):
         return "it runs on sm_90 (Hopper) only"
     if max(q.shape[2], k.shape[2]) >= 2**31:
         return "TMA coordinates are 32-bit"
+    return _gluon_traced_ineligible(q, k, is_causal)
+
+
+# Traced (compiled, kernels/launch.py) a Gluon kernel launches from an opaque op (ops/gluon.py)
+# at 0.1-0.3 ms of host time per call on the H100 host, where the Triton kernels cost one
+# Inductor launch each (benchmarks/RESULTS.md, stop 12). Below this many forward FLOPs (~0.3 ms
+# of backward at 300 TFLOP/s) the Gluon kernel's own device time cannot cover that, and its
+# table entry yields to the Triton kernels, unless the graph runs under CUDA graphs
+# (mode="reduce-overhead"), whose replays cost no host time per kernel.
+_GLUON_TRACED_MIN_FLOPS = 3.6e10
+
+
+def _gluon_traced_ineligible(q, k, is_causal: bool) -> Optional[str]:
+    """Why a traced launch takes no Gluon kernel here (None: it may), see above."""
+    if not is_tracing():
+        return None
+    if not python_ops_allowed():
+        return ("AOTInductor / cpp_wrapper packages take Triton kernels only (the Gluon kernels "
+                "launch from a Python op)")
+    from torch._inductor import config
+
+    B, Hq, Lq, D = q.shape
+    flops = 4 * B * Hq * Lq * k.shape[2] * D * (0.5 if is_causal else 1.0)
+    if flops < _GLUON_TRACED_MIN_FLOPS and not config.triton.cudagraphs:
+        return (f"compiled, {flops:.2g} FLOPs are too few to cover the host time of its op "
+                f"(< {_GLUON_TRACED_MIN_FLOPS:.2g})")
     return None
 
 
@@ -664,6 +695,9 @@ def _gluon_bwd_ineligible(q, k, v, out, dout, kind, rope_consts, dropout, is_cau
         return f"the Gluon backward is written for Triton {'/'.join(gluon_bwd._TESTED_TRITON)}"
     if not q.is_cuda or _capability(q.device) != (9, 0):
         return "it runs on sm_90 (Hopper) only"
+    why_not = _gluon_traced_ineligible(q, k, is_causal)
+    if why_not is not None:
+        return why_not
     if out.stride(-1) != 1 or max(q.shape[2], k.shape[2]) >= 2**31 or not math.isfinite(scale):
         return "out needs a unit last stride, lengths below 2**31 and a finite scale"
     return None
@@ -675,16 +709,19 @@ def _gluon_bwd_variant(cfg: AttentionConfig) -> str:
     return f"m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}x{lpt}"
 
 
+# Inductor finds a user kernel's writes in its Triton IR, whose write ops do not include the TMA
+# reduction that adds the atomic TMA backward's dQ (torch 2.13): traced, that kernel would look
+# as if it wrote no dQ (launch.py, ``writes``).
+_TMA_REDUCE_UNTRACEABLE = "Inductor cannot see its dQ TMA reduction as a write"
+
 # The TMA forward's tuned D 128 tiles (H100, stop 9): where a Gluon table entry cannot run.
 _TMA_FORWARD_FALLBACK = AttentionConfig(128, 64, 4, 2, False, "tma")
 
 
-def _tma_descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    """Host-side TMA descriptor of a (B, H, L, D) tensor with [1, 1, block_rows, D] blocks.
-    Size-1 dims are never stepped over; their strides (which torch leaves arbitrary) are replaced
-    by one 16-byte unit so that TMA's alignment rule holds."""
-    strides = [st if n > 1 else 16 // t.element_size() for n, st in zip(t.shape[:3], t.stride()[:3])]
-    return TensorDescriptor(t, list(t.shape), strides + [1], [1, 1, block_rows, t.shape[3]])
+def _tma_descriptor(t: torch.Tensor, block_rows: int) -> Desc:
+    """Host-side TMA descriptor of a (B, H, L, D) tensor with [1, 1, block_rows, D] blocks (made
+    by the launch interface: launch.descriptor, or Inductor when traced)."""
+    return Desc(t, (1, 1, block_rows, t.shape[3]))
 
 
 def _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, cfg):
@@ -692,12 +729,21 @@ def _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, cfg):
     Hkv, Lk = k.shape[1], k.shape[2]
     bm, bn = cfg.block_m, cfg.block_n
     grid = (_cdiv(Lq, bm) * B * Hq,)
-    attention_fwd_tma_kernel[grid](
+    launch(
+        attention_fwd_tma_kernel, grid,
         _tma_descriptor(q, bm), _tma_descriptor(k, bn), _tma_descriptor(v, bn),
         _tma_descriptor(out, bm), lse, *lse.stride()[:2], Hq, Hq // Hkv, Lq, Lk,
         scale * 1.4426950408889634, D=D, IS_CAUSAL=bool(is_causal), BLOCK_M=bm, BLOCK_N=bn,
         PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, writes=("o_desc", "Lse"))
+
+
+def _sum_partials(parts: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """The GQA split's fp32 partials (split, ...) summed in a fixed order into ``into``'s dtype
+    (eager: written into ``into``; traced: a new tensor, one Inductor reduction)."""
+    if is_tracing():
+        return parts.sum(0).to(into.dtype)
+    return into.copy_(parts.sum(0))
 
 
 def _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m, is_causal, scale, score_scale,
@@ -705,7 +751,7 @@ def _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m, is_causal, sca
     """The atomic-free TMA pair (attention_bwd_tma.py): dK/dV by attention_bwd_dkdv_tma_kernel
     (GQA groups shared out over ``group_split`` programs as in the atomic path, the fp32
     partials summed in a fixed order), then dQ by attention_bwd_dq_tma_kernel with
-    ``cfg.dq_tile``."""
+    ``cfg.dq_tile``. Returns (dk, dv) (new tensors when traced with a GQA split)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     bm, bn = cfg.block_m, cfg.block_n
@@ -718,21 +764,24 @@ def _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m, is_causal, sca
         dv_out = _empty((split * B, Hkv, Lk, D), torch.float32, q.device)
     else:
         dk_out, dv_out = dk, dv
-    attention_bwd_dkdv_tma_kernel[(_cdiv(Lk, bn) * B * Hkv * split,)](
+    launch(
+        attention_bwd_dkdv_tma_kernel, (_cdiv(Lk, bn) * B * Hkv * split,),
         _tma_descriptor(q, bm), _tma_descriptor(k, bn), _tma_descriptor(v, bn),
         _tma_descriptor(dout, bm), _tma_descriptor(dk_out, bn), _tma_descriptor(dv_out, bn),
         delta, row_m, B, Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale, scale, split, D=D,
         IS_CAUSAL=bool(is_causal), **dots, BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        num_stages=cfg.num_stages, writes=("dk_desc", "dv_desc"))
     if split > 1:
-        dk.copy_(dk_out.view(split, B, Hkv, Lk, D).sum(0))
-        dv.copy_(dv_out.view(split, B, Hkv, Lk, D).sum(0))
+        dk = _sum_partials(dk_out.view(split, B, Hkv, Lk, D), dk)
+        dv = _sum_partials(dv_out.view(split, B, Hkv, Lk, D), dv)
     qm, qn, qw, qs = cfg.dq_tile or cfg[:4]
-    attention_bwd_dq_tma_kernel[(_cdiv(Lq, qm) * B * Hq,)](
+    launch(
+        attention_bwd_dq_tma_kernel, (_cdiv(Lq, qm) * B * Hq,),
         _tma_descriptor(q, qm), _tma_descriptor(k, qn), _tma_descriptor(v, qn),
         _tma_descriptor(dout, qm), _tma_descriptor(dq, qm), delta, row_m,
         Hq, Hq // Hkv, Lq, Lk, score_scale, scale, D=D, IS_CAUSAL=bool(is_causal), **dots,
-        BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs)
+        BLOCK_M=qm, BLOCK_N=qn, num_warps=qw, num_stages=qs, writes=("dq_desc",))
+    return dk, dv
 
 
 def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
@@ -761,8 +810,12 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     tma_checked = None  # (_tma_ineligible's answer,) once asked: a Gluon entry asks it first
     if cfg.kernel in _GLUON_KERNELS:
         tma_checked = (_tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv),)
-        why_not = tma_checked[0] or _gluon_platform_ineligible(q, k)
+        why_not = tma_checked[0] or _gluon_platform_ineligible(q, k, is_causal)
         if why_not is None and ("gluon", cfg) not in _FAILED_CONFIGS:
+            if is_tracing():  # Inductor cannot compile Gluon: its launch stays one opaque op
+                return torch.ops.fuse_plugin.gluon_attention_forward(
+                    q, k, v, bool(is_causal), float(scale), cfg.block_m, cfg.block_n,
+                    cfg.num_stages, cfg.kernel)
             try:
                 gluon_fwd.launch_forward_gluon(q, k, v, out, lse, is_causal, scale,
                                                _gluon_variant(cfg))
@@ -793,7 +846,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     if not user_given:
         cfg = _rope_adjust("fwd", cfg, q.dtype, rc)
 
-    def launch(cfg):
+    def run_general(cfg):
         d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)
         dv0, dv1 = _d_parts(Dv, cfg.split_d)
         bm, bn = cfg.block_m, cfg.block_n
@@ -804,18 +857,19 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
                              ("out", *out.stride()[2:], bm, dv0 + dv1), ("bias", *sb[2:], bm, bn)]
                             + _table_tiles(scq, sck, bm, bn, cos.shape[-1]))
         grid = (_cdiv(Lq, bm) * B * Hq,)
-        attention_fwd_kernel[grid](
-            q, k, v, bias_t, out, lse, cos, sin,
+        launch(
+            attention_fwd_kernel, grid, q, k, v, bias_t, out, lse, cos, sin,
             *q.stride(), *k.stride(), *v.stride(), *sb, *out.stride(), *lse.stride(), *scq, *sck,
             Hq, Hq // Hkv, Lq, Lk, _score_scale(kind, scale), seed, drop_thresh, inv_keep, D, Dv,
             IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, SCALE_POS=bool(scale >= 0),
             DROPOUT=dropout,
             PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
             BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
+            writes=("Out", "Lse"),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    _launch(launch, cfg, user_given, "rope" if rc["ROT"] else None)
+    _launch(run_general, cfg, user_given, "rope" if rc["ROT"] else None)
     return out, lse
 
 
@@ -883,6 +937,10 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         else:
             why_not = _gluon_bwd_ineligible(q, k, v, out, dout, kind, rc, dropout, is_causal,
                                             scale, D, Dv)
+        if why_not is None and is_tracing():  # as in the forward: one opaque op
+            dq, dk, dv = torch.ops.fuse_plugin.gluon_attention_backward(
+                dout, q, k, v, out, lse, bool(is_causal), float(scale), variant, group_split or 0)
+            return dq, dk, dv, None
         if why_not is None:
             dq, dk, dv = gluon_bwd.attention_backward_gluon(dout, q, k, v, out, lse,
                                                             is_causal=is_causal, scale=scale,
@@ -904,6 +962,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     if cfg.tma and not deterministic:
         why_not = "it writes no dbias" if need_dbias else \
             _tma_ineligible(q, k, v, dout, kind, rc, dropout, scale, D, Dv)
+        if why_not is None and is_tracing():
+            why_not = _TMA_REDUCE_UNTRACEABLE
         if why_not is None:
             use_tma = True
         elif user_given:
@@ -926,24 +986,29 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     # fp32 dQ accumulator of the atomic path, zeroed by the preprocess kernel.
     dqa = _empty((B, Hq, Lq, D), torch.float32, dev) if not deterministic else delta
     pre_m = 64
-    attention_bwd_preprocess_kernel[(_cdiv(Lq, pre_m) * B * Hq,)](
+    launch(
+        attention_bwd_preprocess_kernel, (_cdiv(Lq, pre_m) * B * Hq,),
         out, dout, lse, delta, row_m, row_r, q, k, bias_t, dqa, cos, sin,
         *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *sb, *scq, *sck,
         Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, ZERO_DQ=not deterministic, **common,
         BLOCK_M=pre_m, BLOCK_N=32, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv),
         D0=one[0], D1=one[1], D2=one[2], **rc,
         num_warps=4, num_stages=1,
+        writes=("Delta", "RowM") + (("RowR",) if kind == _FLOAT_BIAS else ())
+        + (() if deterministic else ("DQA",)),
     )
     ds_t = dbias if need_dbias else q
     ds_strides = dbias.stride() if need_dbias else (0, 0, 0, 0)
     if use_tma_pair:
-        _launch(lambda c: _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m, is_causal,
-                                               scale, score_scale, c, group_split),
-                cfg, user_given, "tma_pair")
+        dk, dv = _launch(lambda c: _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m,
+                                                        is_causal, scale, score_scale, c,
+                                                        group_split),
+                         cfg, user_given, "tma_pair")
         return dq, dk, dv, None
 
     if not deterministic:
-        def launch(cfg):
+        def run_atomic(cfg):
+            nonlocal dk, dv  # replaced by the summed partials when traced (_sum_partials)
             split = group_split or _group_split(B * Hkv * _cdiv(Lk, cfg.block_n), Hq // Hkv, dev)
             if Hq // Hkv % split:
                 raise ValueError(f"group_split={split} does not divide the GQA group of {Hq // Hkv}")
@@ -956,21 +1021,22 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                 dk_out, dv_out, dk_strides, dv_strides, split_strides = dk, dv, dk.stride(), dv.stride(), (0, 0)
             if use_tma:
                 bm, bn = cfg.block_m, cfg.block_n
-                attention_bwd_tma_kernel[(_cdiv(Lk, bn) * B * Hkv * split,)](
+                launch(
+                    attention_bwd_tma_kernel, (_cdiv(Lk, bn) * B * Hkv * split,),
                     _tma_descriptor(q, bm), _tma_descriptor(k, bn), _tma_descriptor(v, bn),
                     _tma_descriptor(dout, bm), _tma_descriptor(dqa, bm), dqa, dk_out, dv_out,
                     delta, row_m, *dk_strides[:3], *dv_strides[:3], Hq, Hkv, Hq // Hkv, Lq, Lk,
                     score_scale, scale, split, *split_strides, D=D, IS_CAUSAL=bool(is_causal),
                     TMA_REDUCE=not _interpreted(q), PRECISION=common["PRECISION"],
                     UPCAST_DOT=common["UPCAST_DOT"], BLOCK_M=bm, BLOCK_N=bn,
-                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                    num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                    writes=("dq_desc", "DQA", "DK", "DV"))
             else:
-                launch_general(cfg, split, dk_out, dv_out, dk_strides, dv_strides, split_strides)
+                run_general(cfg, split, dk_out, dv_out, dk_strides, dv_strides, split_strides)
             if split > 1:
-                dk.copy_(dk_out.sum(0))
-                dv.copy_(dv_out.sum(0))
+                dk, dv = _sum_partials(dk_out, dk), _sum_partials(dv_out, dv)
 
-        def launch_general(cfg, split, dk_out, dv_out, dk_strides, dv_strides, split_strides):
+        def run_general(cfg, split, dk_out, dv_out, dk_strides, dv_strides, split_strides):
             d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)
             dv0, dv1 = _d_parts(Dv, cfg.split_d)
             bm, bn = cfg.block_m, cfg.block_n
@@ -981,27 +1047,28 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                                  ("dout", *dout.stride()[2:], bm, dv0 + dv1),
                                  ("bias", *sb[2:], bm, bn), ("dbias", Lk, 1, bm, bn)]
                                 + _table_tiles(scq, sck, bm, bn, W))
-            attention_bwd_kernel[(_cdiv(Lk, bn) * B * Hkv * split,)](
-                q, k, v, bias_t, dout, dqa, dk_out, dv_out, ds_t, delta, row_m, row_r, cos, sin,
+            launch(
+                attention_bwd_kernel, (_cdiv(Lk, bn) * B * Hkv * split,), q, k, v, bias_t, dout, dqa, dk_out, dv_out, ds_t, delta, row_m, row_r, cos, sin,
                 *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk_strides,
                 *dv_strides, *ds_strides, *scq, *sck,
                 Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale, scale, seed, drop_thresh, inv_keep,
                 split, *split_strides,
                 D, Dv, NEED_DS=bool(need_dbias), DROPOUT=dropout, **common,
                 BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
+                writes=("DQA", "DK", "DV") + (("DS",) if need_dbias else ()),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
-        _launch(launch, cfg, user_given, "rope" if rc["ROT"] else None)
+        _launch(run_atomic, cfg, user_given, "rope" if rc["ROT"] else None)
         if rc["ROT"]:
             cast_m = 32
-            attention_dq_rope_cast_kernel[(_cdiv(Lq, cast_m) * B * Hq,)](
-                dqa, dq, cos, sin, *dq.stride(), *scq, Hq, Lq, scale, D,
-                D0=one[0], D2=one[2], BLOCK_M=cast_m, **rc, num_warps=4)
+            launch(
+                attention_dq_rope_cast_kernel, (_cdiv(Lq, cast_m) * B * Hq,), dqa, dq, cos, sin, *dq.stride(), *scq, Hq, Lq, scale, D,
+                D0=one[0], D2=one[2], BLOCK_M=cast_m, **rc, num_warps=4, writes=("DQ",))
         else:
             n = dq.numel()
-            attention_dq_cast_kernel[(_cdiv(n, 1024),)](dqa, dq, n, scale, BLOCK=1024,
-                                                         num_warps=4)
+            launch(attention_dq_cast_kernel, (_cdiv(n, 1024),), dqa, dq, n, scale, BLOCK=1024,
+                   num_warps=4, writes=("DQ",))
         return dq, dk, dv, dbias
 
     bm, bn, bdv = cfg.block_m, cfg.block_n, _block_d(Dv)
@@ -1013,16 +1080,17 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                         + _table_tiles(scq, sck, bm, bn, W))
     consts = dict(common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DV=bdv, D0=one[0], D1=one[1], D2=one[2],
                   **rc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    attention_bwd_dkdv_kernel[(_cdiv(Lk, bn) * B * Hkv,)](
-        q, k, v, bias_t, dout, dk, dv, delta, row_m, row_r, cos, sin,
+    launch(
+        attention_bwd_dkdv_kernel, (_cdiv(Lk, bn) * B * Hkv,), q, k, v, bias_t, dout, dk, dv, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk.stride(), *dv.stride(),
         *scq, *sck, Hq, Hkv, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,
-        inv_keep, DROPOUT=dropout, **consts,
+        inv_keep, DROPOUT=dropout, **consts, writes=("DK", "DV"),
     )
-    attention_bwd_dq_kernel[(_cdiv(Lq, bm) * B * Hq,)](
-        q, k, v, bias_t, dout, dq, ds_t, delta, row_m, row_r, cos, sin,
+    launch(
+        attention_bwd_dq_kernel, (_cdiv(Lq, bm) * B * Hq,), q, k, v, bias_t, dout, dq, ds_t, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dq.stride(), *ds_strides,
         *scq, *sck, Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,
         inv_keep, NEED_DS=bool(need_dbias), DROPOUT=dropout, **consts,
+        writes=("DQ",) + (("DS",) if need_dbias else ()),
     )
     return dq, dk, dv, dbias

@@ -58,6 +58,8 @@ def attention_bwd_preprocess_kernel(
     other backward kernels turn scores into probabilities with. Delta/RowM/RowR are contiguous
     (B * Hq, Lq). ZERO_DQ: also zero these rows of the fp32 dQ accumulator DQA (contiguous
     (B * Hq, Lq, D)) that the atomic backward adds into."""
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    score_scale = tl.cast(score_scale, tl.float32)
     n_m_blocks = tl.cdiv(Lq, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = pid % n_m_blocks
@@ -234,6 +236,10 @@ def attention_bwd_kernel(
     With ``group_split`` > 1 the GQA group's query heads are shared out over that many programs
     (more programs when B * Hkv * key blocks is too few for the GPU); each writes its partial
     dK/dV at DK/DV + split * split_stride_dk/dv (fp32 buffers the launcher sums)."""
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    score_scale, sm_scale, inv_keep = (
+        tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
+        tl.cast(inv_keep, tl.float32))
     pid_n, split, b, kvh, heads_per_split = _key_block_program(Lk, Hkv, kv_group, group_split,
                                                                BLOCK_N)
     b = b.to(tl.int64)
@@ -317,6 +323,8 @@ def attention_bwd_kernel(
 @triton.jit
 def attention_dq_cast_kernel(DQA, DQ, numel, sm_scale, BLOCK: tl.constexpr):
     """DQ = (DQA * scale).to(DQ's dtype); both contiguous, same shape."""
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    sm_scale = tl.cast(sm_scale, tl.float32)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     x = tl.load(DQA + offs, mask=ok, other=0.0)
@@ -335,6 +343,8 @@ def attention_dq_rope_cast_kernel(
     """The rope variant of the cast: DQA (contiguous fp32 (B, Hq, Lq, D), the gradient w.r.t.
     the rotated q with the parts side by side, see ``_atomic_add_dq``) is scaled, rotated back by
     the transpose of the rotation (q's tables) and stored in channel order in DQ's dtype."""
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    sm_scale = tl.cast(sm_scale, tl.float32)
     n_m_blocks = tl.cdiv(Lq, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = pid % n_m_blocks
@@ -383,6 +393,10 @@ def attention_bwd_dkdv_kernel(
     """dK, dV of one key block of one KV head. Works on transposed (keys x queries) tiles so that
     both accumulations are plain dots: dV += P^T dO, dK += dS^T Q * scale. q/k as head-dim parts
     (without rope one tile: D0 = the padded head dim, D1 = D2 = 0)."""
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    score_scale, sm_scale, inv_keep = (
+        tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
+        tl.cast(inv_keep, tl.float32))
     n_n_blocks = tl.cdiv(Lk, BLOCK_N)
     pid = tl.program_id(0)
     pid_n = pid % n_n_blocks
@@ -491,6 +505,10 @@ def attention_bwd_dq_kernel(
 ):
     """dQ of one query block (dQ += dS K * scale over the visible key blocks); with NEED_DS also
     writes every element of that block's rows of dS (zeros for causally skipped key blocks)."""
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    score_scale, sm_scale, inv_keep = (
+        tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
+        tl.cast(inv_keep, tl.float32))
     pid_bh, b, h, kvh, start_m = _query_block_program(Lq, Hq, kv_group, BLOCK_M)
     b = b.to(tl.int64)
     h = h.to(tl.int64)

@@ -106,6 +106,8 @@ def attention_bwd_tma_kernel(
     """dK, dV of one key block of one KV head (its GQA group's query heads, or a ``group_split``
     share of them: partial dK/dV then go to fp32 buffers at DK/DV + split * split_stride_*),
     and that key block's share of dQ, added into DQA (also described by ``dq_desc``)."""
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    score_scale, sm_scale = (tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32))
     pid_n, split, b, kvh, heads_per_split, start_n, k, v, dk, dv = _tma_key_block(
         k_desc, v_desc, Lk, Hkv, kv_group, group_split, D, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
@@ -149,6 +151,8 @@ def attention_bwd_dkdv_tma_kernel(
     by TMA. With ``group_split`` > 1 each program takes a share of the GQA group's query heads
     and stores its partial sums at rows ``split * B + b`` of dk_desc / dv_desc (fp32
     (group_split * B, Hkv, Lk, D) buffers the launcher sums)."""
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    score_scale, sm_scale = (tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32))
     pid_n, split, b, kvh, heads_per_split, start_n, k, v, dk, dv = _tma_key_block(
         k_desc, v_desc, Lk, Hkv, kv_group, group_split, D, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
@@ -214,6 +218,8 @@ def attention_bwd_dq_tma_kernel(
 ):
     """dQ of one query block of one query head (the dQ kernel of the atomic-free pair): dQ =
     scale * sum over its visible key blocks of dS K, stored by TMA in dq_desc's dtype."""
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    score_scale, sm_scale = (tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32))
     pid_bh, b, h, kvh, start_m = _query_block_program(Lq, Hq, kv_group, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

@@ -105,6 +105,8 @@ def attention_fwd_kernel(
 ):
     # 1-D grid (a 2-D one would cap B*Hq at 65535 on the y axis). Query blocks of one head are
     # adjacent so they share K/V in L2; the last (causally heaviest) block is launched first.
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    score_scale, inv_keep = (tl.cast(score_scale, tl.float32), tl.cast(inv_keep, tl.float32))
     n_m_blocks = tl.cdiv(Lq, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = n_m_blocks - 1 - pid % n_m_blocks

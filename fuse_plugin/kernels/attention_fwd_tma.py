@@ -63,6 +63,8 @@ def attention_fwd_tma_kernel(
 ):
     # 1-D grid, query blocks of one head adjacent, the causally heaviest block first (as the
     # general kernel).
+    # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
     n_m_blocks = tl.cdiv(Lq, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = n_m_blocks - 1 - pid % n_m_blocks

@@ -86,6 +86,7 @@ import triton
 import triton.language as tl
 
 from .host import cdiv, next_pow2
+from .launch import launch
 
 __all__ = ["rotary_kernel", "rotary_forward", "rotary_qk_forward", "default_config"]
 
@@ -346,10 +347,9 @@ def rotary_kernel(
                         K_HEAD_DIM, ROT_DIM, HALF_WIDTH, INTERLEAVED, BACKWARD, K_TABLE_PER_HEAD,
                         BLOCK_C, BLOCK_HH, K_BLOCK_D, SPLIT_HALVES, NUM_STAGES, BLOCK_H, K_BLOCK_T)
     else:
-        do_q = True
-        if HAS_K:
-            do_q = pid < q_programs
-        if do_q:
+        # One tensor (not HAS_K): every program on q, and no branch that writes through kout_ptr
+        # is compiled (what Inductor's write analysis of the kernel sees: ops/inductor.py).
+        if (not HAS_K) or pid < q_programs:
             lo = (pid % q_chunks) * heads_per_program
             _rope_block(pid // q_chunks, lo, tl.minimum(lo + heads_per_program, q_heads),
                         q_ptr, qcos_ptr, qsin_ptr, qout_ptr, q_pos, q_size_c,
@@ -557,8 +557,8 @@ def _launch(q, qcos, qsin, q_out, k, kcos, ksin, k_out, *, interleaved, rotary_d
     kargs = ks.args if has_k else qs.args  # dummy second group when HAS_K is False (never read)
     R = rotary_dim
     kd = ks.head_dim if has_k else qs.head_dim
-    rotary_kernel[grid](
-        *qs.args, *kargs,
+    launch(
+        rotary_kernel, grid, *qs.args, *kargs,
         q_programs, q_chunks, k_chunks, hpp,
         HAS_K=has_k,
         SAME_POS=same_pos,
@@ -580,6 +580,7 @@ def _launch(q, qcos, qsin, q_out, k, kcos, ksin, k_out, *, interleaved, rotary_d
         Q_BLOCK_T=next_pow2(max(qs.head_dim - R, 1)),
         K_BLOCK_T=next_pow2(max(kd - R, 1)),
         num_warps=num_warps,
+        writes=("qout_ptr", "kout_ptr") if has_k else ("qout_ptr",),
     )
 
 
