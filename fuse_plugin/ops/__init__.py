@@ -4,8 +4,11 @@
     torch.ops.fuse_plugin.rotary / rotary_backward          (ops/rotary.py)
     torch.ops.fuse_plugin.rotary_qk / rotary_qk_backward
     torch.ops.fuse_plugin.rope_attention / rope_attention_backward   (ops/rope_attention.py)
+    torch.ops.fuse_plugin.gluon_attention_forward / _backward      (ops/gluon.py; internal)
+
+Compiled by Inductor, the ops decompose into their kernels' launches (ops/inductor.py).
 """
-from . import attention, rope_attention, rotary  # noqa: F401  (registration)
+from . import attention, gluon, rope_attention, rotary  # noqa: F401  (registration)
 from ._dispatch import cpu_kernels
 
 __all__ = ["attention", "rotary", "rope_attention", "cpu_kernels"]

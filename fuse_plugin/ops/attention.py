@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _dispatch, reference
+from . import _dispatch, inductor, reference
 
 
 def _kernels():
@@ -214,3 +214,7 @@ _LIB.impl("attention", attention, "CompositeExplicitAutograd")
 _LIB.impl("attention", _attention_autograd, "Autograd")
 _LIB.impl("attention_backward", attention_backward, "CompositeExplicitAutograd")
 _LIB.impl("attention_backward", _attention_backward_autograd, "Autograd")
+
+# Compiled, the ops decompose into their kernel launches (ops/inductor.py).
+inductor.register("fuse_plugin::attention", attention)
+inductor.register("fuse_plugin::attention_backward", attention_backward)

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _dispatch, attention, reference
+from . import _dispatch, attention, inductor, reference
 from . import rotary as rotary_ops
 
 
@@ -78,8 +78,7 @@ def _rotated(q, k, cos, sin, interleaved, rotary_dim):
     return rotary_ops._rotate_qk(q, k, cos, sin, interleaved, rotary_dim, False, q.dtype, k.dtype)
 
 
-@torch.library.custom_op("fuse_plugin::rope_attention", mutates_args=())
-def rope_attention(
+def _rope_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -105,6 +104,9 @@ def rope_attention(
     return attention.forward_impl(q_rot, k_rot, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
 
 
+rope_attention = torch.library.custom_op("fuse_plugin::rope_attention", _rope_attention, mutates_args=())
+
+
 @rope_attention.register_fake
 def _(q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
     attention.check_dropout(dropout_p, dropout_seed, q)
@@ -113,8 +115,7 @@ def _(q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, dropout_p, is_causa
     return q.new_empty((b, hq, lq, v.shape[-1])), q.new_empty((b, hq, lq), dtype=torch.float32)
 
 
-@torch.library.custom_op("fuse_plugin::rope_attention_backward", mutates_args=())
-def rope_attention_backward(
+def _rope_attention_backward(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -155,6 +156,10 @@ def rope_attention_backward(
         dcos = (parts[0][0] + parts[1][0]).contiguous()
         dsin = (parts[0][1] + parts[1][1]).contiguous()
     return dq, dk, dv, dbias, dcos, dsin
+
+
+rope_attention_backward = torch.library.custom_op("fuse_plugin::rope_attention_backward", _rope_attention_backward,
+                                                  mutates_args=())
 
 
 @rope_attention_backward.register_fake
@@ -200,3 +205,8 @@ def _backward(ctx, dout, _dlse):
 
 
 rope_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Compiled, the ops decompose into their kernel launches (ops/inductor.py).
+inductor.register("fuse_plugin::rope_attention", _rope_attention)
+inductor.register("fuse_plugin::rope_attention_backward", _rope_attention_backward)

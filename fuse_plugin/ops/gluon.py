@@ -1,0 +1,72 @@
+"""Internal ops that launch the warp-specialised Gluon kernels from a compiled graph.
+
+    out, lse = torch.ops.fuse_plugin.gluon_attention_forward(q, k, v, is_causal, scale,
+                                                             block_m, block_n, num_stages, kernel)
+    dq, dk, dv = torch.ops.fuse_plugin.gluon_attention_backward(dout, q, k, v, out, lse,
+                                                               is_causal, scale, variant, group_split)
+
+When Inductor compiles a graph, the attention ops decompose into their Triton launches
+(ops/inductor.py, kernels/launch.py); a Gluon kernel cannot be among them (Inductor re-emits a
+user kernel's source under ``@triton.jit``). Where the table picks a Gluon kernel, the traced
+launcher puts one of these ops in the graph instead: the rest of the graph stays Inductor's,
+and the op's CUDA implementation launches the Gluon kernel(s) from Python. They are functional
+(fresh outputs), CUDA only, and not differentiable: they only appear inside the attention ops'
+decomposition, after autograd. The arguments are those the launcher chose (``AttentionConfig``
+fields of a Gluon entry for the forward, a Gluon backward variant name and GQA group split,
+0 = default, for the backward); the problem is one the launcher checked the kernels cover.
+"""
+from __future__ import annotations
+
+import torch
+
+_LIB = torch.library.Library("fuse_plugin", "FRAGMENT")
+_LIB.define(
+    "gluon_attention_forward(Tensor q, Tensor k, Tensor v, bool is_causal, float scale, "
+    "int block_m, int block_n, int num_stages, str kernel) -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define(
+    "gluon_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "bool is_causal, float scale, str variant, int group_split) -> (Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def _kernels():
+    from ..kernels import attention as kernels  # imported late: see TRITON_INTERPRET in _dispatch
+
+    return kernels
+
+
+def _forward(q, k, v, is_causal, scale, block_m, block_n, num_stages, kernel):
+    kernels = _kernels()
+    B, Hq, Lq, _ = q.shape
+    out = torch.empty((B, Hq, Lq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
+    cfg = kernels.AttentionConfig(block_m, block_n, 4, num_stages, False, kernel)
+    kernels.gluon_fwd.launch_forward_gluon(q, k, v, out, lse, is_causal, scale,
+                                           kernels._gluon_variant(cfg))
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, is_causal, scale, variant, group_split):
+    return _kernels().gluon_bwd.attention_backward_gluon(
+        dout, q, k, v, out, lse, is_causal=is_causal, scale=scale, variant=variant,
+        group_split=group_split or None)
+
+
+@torch.library.register_fake("fuse_plugin::gluon_attention_forward", lib=_LIB)
+def _(q, k, v, is_causal, scale, block_m, block_n, num_stages, kernel):
+    B, Hq, Lq, _ = q.shape
+    return (q.new_empty((B, Hq, Lq, v.shape[-1])),
+            q.new_empty((B, Hq, Lq), dtype=torch.float32))
+
+
+@torch.library.register_fake("fuse_plugin::gluon_attention_backward", lib=_LIB)
+def _(dout, q, k, v, out, lse, is_causal, scale, variant, group_split):
+    def like(t):
+        return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+    return like(q), like(k), like(v)
+
+
+_LIB.impl("gluon_attention_forward", _forward, "CUDA")
+_LIB.impl("gluon_attention_backward", _backward, "CUDA")
