@@ -27,9 +27,10 @@ _suppress = threading.local()
 
 @functools.lru_cache(maxsize=1)
 def _source_hash() -> str:
-    """Hash of the rewrite's code: a change to any pattern invalidates cached graphs."""
+    """Hash of the package's code and launch tables: a change to a pattern, a launcher or the
+    table invalidates cached graphs (which hold the launches the ops decomposed into)."""
     h = hashlib.sha256()
-    for path in sorted(_PACKAGE.rglob("*.py")):
+    for path in sorted([*_PACKAGE.rglob("*.py"), *_PACKAGE.rglob("*.json")]):
         h.update(path.relative_to(_PACKAGE).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()

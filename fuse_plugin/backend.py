@@ -23,6 +23,12 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
     config_patches.update(options or {})
     if settings.rewrite_enabled():
         rewrite(gm)
+    if "pre_grad_custom_pass" not in config_patches and not autopatch.installed():
+        # Our pass (idle here, see below) carries the cache key of our code and settings, which
+        # Inductor's and AOTAutograd's caches must see even with the automatic patch off.
+        from torch._inductor import config
+
+        config_patches["pre_grad_custom_pass"] = autopatch.FusePluginPass(config.pre_grad_custom_pass)
     # The graph is rewritten already: keep the automatic pre-grad pass from running again.
     with autopatch.suppressed():
         return compile_fx(gm, example_inputs, config_patches=config_patches)

@@ -31,5 +31,8 @@ def rope_attention_enabled() -> bool:
 
 
 def key() -> str:
-    """What of the settings changes the rewrite's output."""
-    return f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()}"
+    """What of the settings changes the compiled graph: the rewrite's switches, whether the ops
+    decompose into their launches (ops/inductor.py) and the launch-config table they read."""
+    return (f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()},"
+            f"inductor_launch={os.environ.get('FUSE_PLUGIN_INDUCTOR_LAUNCH', '1')},"
+            f"table={os.environ.get('FUSE_PLUGIN_ATTENTION_TABLE', '')}")
