@@ -1,0 +1,251 @@
+"""What Inductor receives from our ops, traced on a machine without a GPU (run by
+test_inductor_launch.py in a subprocess: the kernels must be real Triton JIT functions, not the
+interpreter's, so TRITON_INTERPRET is off here).
+
+The CUDA path is traced with fake CUDA tensors and an H100 pretended to torch and Triton
+(`fake_h100`): device properties, capability, name, the Triton target (for the Triton-IR write
+analysis) and host-side TMA support. Nothing runs; every case makes AOTAutograd trace a small
+graph that calls our ops and records the graph Inductor would compile.
+
+    python tests/inductor_trace.py            # prints one JSON line per case
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from types import SimpleNamespace
+from unittest import mock
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+import torch  # noqa: E402
+import torch.fx as fx  # noqa: E402
+
+import fuse_plugin  # noqa: E402,F401
+from fuse_plugin.kernels import attention as attn  # noqa: E402
+
+OPS = torch.ops.fuse_plugin
+H100 = SimpleNamespace(multi_processor_count=132, name="NVIDIA H100 80GB HBM3", major=9, minor=0)
+
+
+@contextlib.contextmanager
+def fake_h100():
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    driver = SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32),
+                             get_current_device=lambda: 0,
+                             utils=SimpleNamespace(
+                                 get_device_properties=lambda i: {"max_shared_mem": 232448}))
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda i=None: H100), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda i=None: (9, 0)), \
+            mock.patch.object(torch.cuda, "get_device_name", lambda i=None: H100.name), \
+            mock.patch.object(torch.cuda, "current_device", lambda: 0), \
+            mock.patch.object(triton.runtime.driver, "_active", driver, create=True), \
+            mock.patch("torch.utils._triton.has_triton_tensor_descriptor_host_tma", lambda: True):
+        yield
+
+
+def trace(fn, *args) -> fx.GraphModule:
+    """The forward graph AOTAutograd hands to the compiler for fn(*args) (inference)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._guards import TracingContext, tracing
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    graphs = []
+
+    def compiler(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    mode = args[0].fake_mode
+    with tracing(TracingContext(mode)):
+        graph = make_fx(lambda *xs: list(fn(*xs)))(*args)  # the ops as called (opaque nodes)
+        aot_module_simplified(graph, list(args), fw_compiler=compiler)
+    gm = graphs[0]
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
+def summary(gm: fx.GraphModule) -> dict:
+    """Kernels launched (name, clones), opaque ops left, and whether outputs are kernel results."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    launches, opaque, cloned_inputs = [], [], []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional:
+            kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+            name = getattr(kernel, "fn", kernel).__name__
+            clones = list(n.kwargs["tensors_to_clone"])
+            launches.append([name, sorted(clones), sorted(n.kwargs["tma_descriptor_metadata"])])
+            for c in clones:  # a clone of anything but a fresh buffer would copy an input
+                src = n.kwargs["kwargs"][c]
+                if not (src.op == "call_function" and src.target in (
+                        torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+                        torch.ops.aten.empty_like.default)
+                        or src.target is __import__("operator").getitem):
+                    cloned_inputs.append(f"{name}.{c}")
+        elif str(n.target).startswith("fuse_plugin."):
+            opaque.append(str(n.target))
+    outs = [a for a in fx.node.map_arg(gm.graph.output_node().args[0], lambda x: x)
+            if isinstance(a, fx.Node)] if hasattr(gm.graph, "output_node") else []
+    empty_outputs = [a.name for a in outs if a.op == "call_function"
+                     and a.target is torch.ops.aten.empty.memory_format]
+    return dict(launches=launches, opaque=opaque, cloned_inputs=cloned_inputs,
+                empty_outputs=empty_outputs)
+
+
+def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
+    with mode:
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+
+def attention_pair(q, k, v, dout, bias=None, is_causal=True, need_dbias=False, p=0.0, seed=None):
+    scale = q.shape[-1] ** -0.5
+    out, lse = OPS.attention(q, k, v, bias, p, is_causal, scale, dropout_seed=seed)
+    dq, dk, dv, db = OPS.attention_backward(dout, q, k, v, bias, out, lse, p, is_causal, scale,
+                                            seed, need_dbias)
+    return (out, dq, dk, dv) + ((db,) if need_dbias else ())
+
+
+def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias=False, p=0.0,
+                   is_causal=True, device="cuda"):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    q = fake(mode, B, Hq, L, D, dtype=dtype, device=device)
+    k = fake(mode, B, Hkv, L, D, dtype=dtype, device=device)
+    v = fake(mode, B, Hkv, L, D, dtype=dtype, device=device)
+    dout = fake(mode, B, Hq, L, D, dtype=dtype, device=device)
+    extra = []
+    if mask == "float":
+        extra.append(fake(mode, B, 1, L, L, dtype=dtype, device=device))
+    elif mask == "bool":
+        with mode:
+            extra.append(torch.ones(B, 1, 1, L, dtype=torch.bool, device=device))
+    if p:
+        with mode:
+            extra.append(torch.zeros((), dtype=torch.int64, device=device))
+
+    def fn(q, k, v, dout, *extra):
+        bias = extra[0] if mask else None
+        seed = extra[-1] if p else None
+        return attention_pair(q, k, v, dout, bias, is_causal, need_dbias, p, seed)
+
+    return trace(fn, q, k, v, dout, *extra)
+
+
+def rope_attention_case():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    q, k, v = fake(mode, 1, 8, 500, 64), fake(mode, 1, 2, 500, 64), fake(mode, 1, 2, 500, 64)
+    dout = fake(mode, 1, 8, 500, 64)
+    cos, sin = fake(mode, 1, 1, 500, 64), fake(mode, 1, 1, 500, 64)
+
+    def fn(q, k, v, dout, cos, sin):
+        out, lse = OPS.rope_attention(q, k, v, cos, sin, False, 64, None, 0.0, True, 0.125)
+        g = OPS.rope_attention_backward(dout, q, k, v, cos, sin, False, 64, None, out, lse, 0.0,
+                                        True, 0.125, None, False, False)
+        return out, g[0], g[1], g[2]
+
+    return trace(fn, q, k, v, dout, cos, sin)
+
+
+def symbolic_case() -> dict:
+    """why_opaque on fake CUDA tensors whose length is a SymInt."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fuse_plugin.ops import inductor
+
+    env = ShapeEnv()
+    length = env.create_symintnode(env.create_symbol(100, ConstantSource("L")), hint=100)
+    with FakeTensorMode(shape_env=env):
+        q = torch.empty(1, 4, length, 64, device="cuda", dtype=torch.bfloat16)
+        static = torch.empty(1, 4, 100, 64, device="cuda", dtype=torch.bfloat16)
+    return dict(symbolic=inductor.why_opaque((), (q, q, q), {}),
+                static=inductor.why_opaque((), (static,), {}))
+
+
+CASES = {
+    # general forward, atomic backward with the GQA split (fp32 partials summed by Inductor)
+    "gqa_d64_n1000": lambda: attention_case(2, 16, 4, 1000, 64),
+    # TMA forward (table), general backward (the table's Gluon entry cannot run on Triton 3.9)
+    "d64_n2000": lambda: attention_case(2, 16, 16, 2000, 64),
+    # the atomic-free TMA pair backward (table, D 256)
+    "d256_tma_pair": lambda: attention_case(1, 4, 2, 700, 256),
+    # additive mask with its gradient; bool mask; dropout; head dim split 64 + 16; fp32
+    "float_mask_dbias": lambda: attention_case(1, 4, 4, 300, 64, mask="float", need_dbias=True,
+                                               is_causal=False),
+    "bool_mask": lambda: attention_case(2, 4, 2, 257, 128, mask="bool"),
+    "dropout": lambda: attention_case(1, 4, 4, 129, 64, p=0.1),
+    "d80": lambda: attention_case(1, 4, 4, 200, 80),
+    "fp32": lambda: attention_case(1, 2, 2, 100, 64, dtype=torch.float32),
+    "rope_attention": rope_attention_case,
+    # never decomposed: CPU tensors (the reference; CI's interpreter path)
+    "cpu": lambda: attention_case(1, 2, 2, 40, 64, dtype=torch.float32, device="cpu"),
+}
+
+
+def run_case(name: str) -> dict:
+    with fake_h100():
+        if name == "deterministic":
+            with mock.patch.object(torch, "are_deterministic_algorithms_enabled", lambda: True):
+                return summary(attention_case(1, 8, 2, 600, 64))
+        if name in ("gluon", "gluon_small"):
+            # As on an H100 with Triton 3.6 (the platform checks pass), what is left is the traced
+            # rule: a large problem keeps its Gluon kernels as opaque ops, a small one does not.
+            def fwd(q, k, is_causal=False):
+                return attn._gluon_traced_ineligible(q, k, is_causal)
+
+            def bwd(q, k, v, out, dout, kind, rc, dropout, is_causal, *rest):
+                return attn._gluon_traced_ineligible(q, k, is_causal)
+
+            shape = (1, 16, 4, 4096, 128) if name == "gluon" else (2, 8, 2, 1024, 128)
+            with mock.patch.object(attn, "_gluon_platform_ineligible", fwd), \
+                    mock.patch.object(attn, "_gluon_bwd_ineligible", bwd):
+                return summary(attention_case(*shape, is_causal=True))
+        if name == "untraceable":  # a kernel whose writes the analysis misses: the op stays whole
+            from fuse_plugin.kernels import launch
+
+            real = launch._check_writes
+
+            def flaky(kernel, *a, **kw):  # the backward's second launch "cannot be traced"
+                if kernel.__name__ == "attention_bwd_kernel":
+                    raise launch.Untraceable("test")
+                return real(kernel, *a, **kw)
+
+            with mock.patch.object(launch, "_check_writes", flaky):
+                return summary(attention_case(1, 4, 4, 100, 64))
+        if name == "disabled":
+            with mock.patch.dict(os.environ, {"FUSE_PLUGIN_INDUCTOR_LAUNCH": "0"}):
+                return summary(attention_case(1, 4, 4, 100, 64))
+        if name == "export":  # torch.export keeps custom ops whole (AOTInductor decomposes later)
+            with mock.patch.object(torch._functorch.config, "decompose_custom_triton_ops", False):
+                return summary(attention_case(1, 4, 4, 100, 64))
+        if name == "symbolic":  # dynamic shapes: the launcher's choices need static sizes
+            return symbolic_case()
+        return summary(CASES[name]())
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.simplefilter("ignore") if "-v" not in sys.argv else None
+    sys.argv = [a for a in sys.argv if a != "-v"]
+    names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small", "untraceable",
+                             "disabled", "export", "symbolic"]
+    for name in names:
+        try:
+            result = run_case(name)
+        except Exception as e:  # reported, not raised: the test names the failing case
+            result = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps({"case": name, **result}), flush=True)

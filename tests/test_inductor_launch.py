@@ -1,0 +1,134 @@
+"""The ops decompose into their kernel launches for Inductor (ops/inductor.py, kernels/launch.py).
+
+The graphs come from tests/inductor_trace.py, run once in a subprocess (real Triton JIT kernels,
+not the interpreter; an H100 pretended to torch and Triton; nothing runs). The rotary ops,
+which compiled decompose into plain torch math for Inductor to fuse, cannot be traced there
+(views of fake CUDA tensors need a CUDA build); tests/test_compiled_gpu.py checks them, and the
+compiled models against eager, on a GPU.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).with_name("inductor_trace.py")
+
+
+@pytest.fixture(scope="module")
+def traced() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(_SCRIPT)], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=_SCRIPT.parent.parent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            case = json.loads(line)
+            cases[case.pop("case")] = case
+    return cases
+
+
+def kernels(case: dict) -> list[str]:
+    return [name for name, _clones, _tma in case["launches"]]
+
+
+def clones(case: dict) -> dict:
+    return {name: clones for name, clones, _tma in case["launches"]}
+
+
+def assert_fully_traced(case: dict) -> None:
+    """Every op became launches; nothing copies an input; every output a kernel wrote."""
+    assert "error" not in case, case.get("error")
+    assert case["opaque"] == []
+    assert case["cloned_inputs"] == []
+    assert case["empty_outputs"] == []
+
+
+FWD = "attention_fwd_kernel"
+PRE = "attention_bwd_preprocess_kernel"
+ATOMIC = "attention_bwd_kernel"
+CAST = "attention_dq_cast_kernel"
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("gqa_d64_n1000", [FWD, PRE, ATOMIC, CAST]),
+    ("d64_n2000", ["attention_fwd_tma_kernel", PRE, ATOMIC, CAST]),
+    ("d256_tma_pair", [FWD, PRE, "attention_bwd_dkdv_tma_kernel", "attention_bwd_dq_tma_kernel"]),
+    ("float_mask_dbias", [FWD, PRE, ATOMIC, CAST]),
+    ("bool_mask", [FWD, PRE, ATOMIC, CAST]),
+    ("dropout", [FWD, PRE, ATOMIC, CAST]),
+    ("d80", [FWD, PRE, ATOMIC, CAST]),
+    ("fp32", [FWD, PRE, ATOMIC, CAST]),
+    ("deterministic", [FWD, PRE, "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"]),
+    ("rope_attention", [FWD, PRE, ATOMIC, "attention_dq_rope_cast_kernel"]),
+])
+def test_ops_become_kernel_launches(traced, name, expected):
+    case = traced[name]
+    assert_fully_traced(case)
+    assert kernels(case) == expected
+
+
+def test_each_launch_writes_only_its_outputs(traced):
+    """What Inductor's Triton-IR analysis finds each kernel writes (and so clones, then re-uses
+    in place): the outputs and scratch buffers, never q/k/v or a mask."""
+    assert clones(traced["gqa_d64_n1000"]) == {FWD: ["Lse", "Out"], PRE: ["DQA", "Delta", "RowM"],
+                                               ATOMIC: ["DK", "DQA", "DV"], CAST: ["DQ"]}
+    # TMA stores are writes too, through the descriptors Inductor builds from the metadata
+    name, written, descriptors = traced["d64_n2000"]["launches"][0]
+    assert written == ["Lse", "o_desc"] and descriptors == ["k_desc", "o_desc", "q_desc", "v_desc"]
+    # a float mask: the row statistics in natural units, and dS for the mask's gradient
+    assert clones(traced["float_mask_dbias"])[PRE] == ["DQA", "Delta", "RowM", "RowR"]
+    assert clones(traced["float_mask_dbias"])[ATOMIC] == ["DK", "DQA", "DS", "DV"]
+
+
+def test_gluon_kernels_stay_one_opaque_op_each(traced):
+    """Inductor cannot compile Gluon: where the table picks a Gluon kernel (an H100 with Triton
+    3.6, pretended here) for a problem large enough, the launcher leaves one internal op per pass
+    in the graph; a small problem takes the Triton kernels (one Inductor launch each) instead."""
+    case = traced["gluon"]
+    assert case["launches"] == []
+    assert case["opaque"] == ["fuse_plugin.gluon_attention_forward.default",
+                              "fuse_plugin.gluon_attention_backward.default"]
+    small = traced["gluon_small"]
+    assert_fully_traced(small)
+    assert kernels(small) == ["attention_fwd_tma_kernel", PRE, ATOMIC, CAST]
+
+
+def test_an_untraceable_launch_keeps_its_op_whole(traced):
+    """A launch whose writes Inductor's analysis would get wrong makes its op stay opaque in that
+    graph; the launches traced before it in the same op are dropped as dead code."""
+    case = traced["untraceable"]
+    assert kernels(case) == [FWD]
+    assert case["opaque"] == ["fuse_plugin.attention_backward.default"]
+
+
+@pytest.mark.parametrize("name", ["cpu", "disabled", "export"])
+def test_ops_stay_opaque_where_they_should(traced, name):
+    """CPU tensors (the reference, CI's interpreter path), FUSE_PLUGIN_INDUCTOR_LAUNCH=0 and
+    torch.export keep the ops as they were: one node each."""
+    case = traced[name]
+    assert case["launches"] == []
+    assert case["opaque"] == ["fuse_plugin.attention.default",
+                              "fuse_plugin.attention_backward.default"]
+
+
+def test_symbolic_shapes_stay_opaque(traced):
+    assert traced["symbolic"] == {"symbolic": "symbolic sizes or strides", "static": None}
+
+
+def test_bad_switch_value_is_named():
+    from fuse_plugin.ops import inductor
+
+    old = os.environ.get(inductor.ENV)
+    os.environ[inductor.ENV] = "maybe"
+    try:
+        with pytest.raises(ValueError, match="FUSE_PLUGIN_INDUCTOR_LAUNCH"):
+            inductor.enabled()
+    finally:
+        if old is None:
+            os.environ.pop(inductor.ENV)
+        else:
+            os.environ[inductor.ENV] = old
