@@ -1,0 +1,307 @@
+"""Whole models at the shapes real workloads run: the plugin against stock compile and sdpa + compile.
+
+    python benchmarks/shapes.py [--layers 12] [--rows ROW,...] [--modes default,reduce-overhead]
+                                [--variants compile,sdpa+compile,plugin] [--out FILE.md]
+
+Rows (bf16; throughput = tokens/s, images/s for the ViT):
+  llama train 8x512, 4x2048, 1x8192 and infer 1x128, 8x512, 4x2048, 1x8192: transformers
+      LlamaForCausalLM from benchmarks/e2e.py's config (hidden 1024, 16/4 heads, head dim 64,
+      intermediate 4096, vocab 32000; ``--layers`` layers, 12 by default);
+  vit infer / train: ViT-S/16 (224 px: 197 tokens, 6 heads of 64, batch 64): timm's
+      vit_small_patch16_224 when timm is installed (its fused attention off for the eager and
+      plugin variants, on for sdpa), else a plain-torch model of the same shape written like
+      timm's non-fused path;
+  bert train: transformers BertForMaskedLM, BERT-base config, batch 32 x seq 128, with a padding
+      mask (lengths 96-128) as real batches have.
+Variants: ``compile`` = eager attention + stock torch.compile (the plugin kept off while it
+compiles); ``sdpa+compile`` = the model's SDPA path + stock torch.compile; ``plugin`` = eager
+attention + torch.compile(backend="fuse_plugin"). Modes: default, reduce-overhead (CUDA graphs).
+A training step is forward, cross-entropy, backward and a fused AdamW step; inference a forward
+under no_grad. Each cell: 3 warm-up steps (the compile), then the best of 3 timed runs of
+``--steps`` steps, synchronised once per run (the host may run ahead of the GPU, as in a real
+loop). The last table: host µs per op call (overhead.py's compiled rows) next to SDPA's.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import time
+
+import torch
+import torch.nn.functional as F
+from common import emit
+from torch import nn
+
+import fuse_plugin
+
+VARIANTS = ("compile", "sdpa+compile", "plugin")
+MODES = ("default", "reduce-overhead")
+# row name -> (family, kind, batch, seq)
+ROWS = {
+    "llama-train-8x512": ("llama", "train", 8, 512),
+    "llama-train-4x2048": ("llama", "train", 4, 2048),
+    "llama-train-1x8192": ("llama", "train", 1, 8192),
+    "llama-infer-1x128": ("llama", "infer", 1, 128),
+    "llama-infer-8x512": ("llama", "infer", 8, 512),
+    "llama-infer-4x2048": ("llama", "infer", 4, 2048),
+    "llama-infer-1x8192": ("llama", "infer", 1, 8192),
+    "vit-infer-64": ("vit", "infer", 64, 197),
+    "vit-train-64": ("vit", "train", 64, 197),
+    "bert-train-32x128": ("bert", "train", 32, 128),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+
+def llama(attn: str, layers: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
+                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                      max_position_embeddings=16384)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn,
+                                            dtype=torch.bfloat16).cuda()
+
+
+def bert(attn: str, layers: int):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM._from_config(BertConfig(), attn_implementation=attn)
+    return model.to(device="cuda", dtype=torch.bfloat16)
+
+
+class _VitAttention(nn.Module):
+    """timm's Attention, non-fused path (q * scale, q @ kᵀ, softmax, @ v) or F.sdpa."""
+
+    def __init__(self, dim, heads, fused):
+        super().__init__()
+        self.heads, self.fused = heads, fused
+        self.scale = (dim // heads) ** -0.5
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.fused:
+            x = F.scaled_dot_product_attention(q, k, v)
+        else:
+            q = q * self.scale
+            attn = (q @ k.transpose(-2, -1)).softmax(dim=-1)
+            x = attn @ v
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+class _VitBlock(nn.Module):
+    def __init__(self, dim, heads, fused):
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(dim, eps=1e-6), _VitAttention(dim, heads, fused)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class PlainViT(nn.Module):
+    """ViT-S/16 shaped (224 px, patch 16, dim 384, 12 blocks, 6 heads), written like timm."""
+
+    def __init__(self, fused, dim=384, depth=12, heads=6, classes=1000):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, 16, 16)
+        self.cls = nn.Parameter(torch.zeros(1, 1, dim))
+        self.pos = nn.Parameter(torch.randn(1, 197, dim) * 0.02)
+        self.blocks = nn.Sequential(*[_VitBlock(dim, heads, fused) for _ in range(depth)])
+        self.norm, self.head = nn.LayerNorm(dim, eps=1e-6), nn.Linear(dim, classes)
+
+    def forward(self, x):
+        x = self.patch(x).flatten(2).transpose(1, 2)
+        x = torch.cat((self.cls.expand(x.shape[0], -1, -1), x), dim=1) + self.pos
+        return self.head(self.norm(self.blocks(x))[:, 0])
+
+
+def vit(attn: str, layers: int):
+    fused = attn == "sdpa"
+    torch.manual_seed(0)
+    try:
+        import timm
+
+        model = timm.create_model("vit_small_patch16_224", pretrained=False)
+        for m in model.modules():
+            if hasattr(m, "fused_attn"):
+                m.fused_attn = fused
+        vit.source = f"timm {timm.__version__} vit_small_patch16_224"
+    except ImportError:
+        model = PlainViT(fused)
+        vit.source = "plain-torch ViT-S/16 (timm not installed)"
+    return model.to(device="cuda", dtype=torch.bfloat16)
+
+
+FAMILIES = {"llama": llama, "bert": bert, "vit": vit}
+
+
+# --------------------------------------------------------------------------------------------
+# Steps
+# --------------------------------------------------------------------------------------------
+
+
+def make_batch(family: str, batch: int, seq: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if family == "vit":
+        images = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16, generator=g)
+        return dict(x=images), torch.randint(0, 1000, (batch,), device="cuda", generator=g)
+    vocab = 32000 if family == "llama" else 30522
+    ids = torch.randint(0, vocab, (batch, seq), device="cuda", generator=g)
+    inputs = dict(input_ids=ids)
+    if family == "bert":
+        lengths = torch.randint(96, seq + 1, (batch,), device="cuda", generator=g)
+        inputs["attention_mask"] = (torch.arange(seq, device="cuda")[None] < lengths[:, None]).long()
+    return inputs, ids
+
+
+def logits_of(out):
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def make_step(fn, kind, inputs, labels, opt, cudagraphs):
+    def forward():
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        if "x" in inputs:
+            return logits_of(fn(inputs["x"]))
+        return logits_of(fn(**inputs))
+
+    if kind == "infer":
+        def step():
+            with torch.no_grad():
+                forward()
+        return step
+
+    def step():
+        logits = forward()
+        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def throughput(step, items: int, steps: int) -> float:
+    for _ in range(3):  # compile, warm-up (CUDA graphs record on the 2nd/3rd call)
+        step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return items * steps / best
+
+
+def run_variant(family, variant, mode, rows, layers, steps, results, log):
+    """All rows of one family for one (variant, mode): one model, one torch.compile (a recompile
+    per shape, static shapes)."""
+    attn = "sdpa" if variant == "sdpa+compile" else "eager"
+    stock = variant != "plugin"
+    model = FAMILIES[family](attn, layers)
+    kwargs = dict(mode=None if mode == "default" else mode, dynamic=False)
+    fn = torch.compile(model, **kwargs) if stock else torch.compile(model, backend="fuse_plugin", **kwargs)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    for name in rows:
+        _, kind, batch, seq = ROWS[name]
+        inputs, labels = make_batch(family, batch, seq)
+        model.train(kind == "train")
+        step = make_step(fn, kind, inputs, labels, opt, mode == "reduce-overhead")
+        items = batch if family == "vit" else batch * seq
+        t0 = time.perf_counter()
+        try:
+            with fuse_plugin.disabled() if stock else contextlib.nullcontext():
+                value = throughput(step, items, steps)
+        except torch.OutOfMemoryError:
+            value = "OOM"
+        except Exception as e:  # reported in the table, the other cells still run
+            import traceback
+
+            traceback.print_exc()
+            value = f"error: {type(e).__name__}"
+        results[(name, mode, variant)] = value
+        shown = f"{value:12.0f}" if isinstance(value, float) else value
+        log(f"  {name:20} {mode:16} {variant:13} {shown}   ({time.perf_counter() - t0:.0f} s)")
+        opt.zero_grad(set_to_none=True)
+    del model, fn, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def table(results, rows, modes, variants) -> list[str]:
+    lines = ["| row | mode | " + " | ".join(variants) + " | plugin / best other |",
+             "|---|---|" + "---|" * (len(variants) + 1)]
+    for name in rows:
+        for mode in modes:
+            vals = {v: results.get((name, mode, v)) for v in variants}
+            cells = [f"{vals[v]:.0f}" if isinstance(vals[v], float) else str(vals[v])
+                     for v in variants]
+            others = [x for v, x in vals.items() if v != "plugin" and isinstance(x, float)]
+            ratio = (f"{vals['plugin'] / max(others):.2f}"
+                     if isinstance(vals.get("plugin"), float) and others else "-")
+            lines.append(f"| {name} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+    return lines
+
+
+def main(argv=None):
+    import transformers
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=12, help="Llama layers (default 12)")
+    parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--no-overhead", action="store_true", help="skip the host-time table")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    rows = [r for r in args.rows.split(",") if r]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; known: {list(ROWS)}")
+    modes, variants = args.modes.split(","), args.variants.split(",")
+    header = (f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers "
+              f"{transformers.__version__} | {time.strftime('%Y-%m-%d')} | bf16 | Llama "
+              f"{args.layers} layers | best of 3 runs of {args.steps} steps")
+    print(header, flush=True)
+    results = {}
+    t_start = time.perf_counter()
+    for family in ("llama", "vit", "bert"):
+        fam_rows = [r for r in rows if ROWS[r][0] == family]
+        if not fam_rows:
+            continue
+        for mode in modes:
+            for variant in variants:
+                run_variant(family, variant, mode, fam_rows, args.layers, args.steps, results,
+                            lambda s: print(s, flush=True))
+    lines = [header, ""]
+    if any(ROWS[r][0] == "vit" for r in rows):
+        lines.append(f"ViT: {getattr(vit, 'source', '?')}")
+    lines += [""] + table(results, rows, modes, variants)
+    lines.append(f"\n(total {time.perf_counter() - t_start:.0f} s)")
+    if not args.no_overhead:
+        import overhead
+
+        lines += ["", "host µs per op call (compiled, tiny inputs; best of 3 runs):", ""]
+        lines += [f"| {name} | {us:.1f} |" for name, us in overhead.compiled_rows()]
+    emit(lines, args.out)
+
+
+if __name__ == "__main__":
+    main()
