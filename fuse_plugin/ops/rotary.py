@@ -20,8 +20,10 @@ Compiled by Inductor (ops/inductor.py), the ops decompose into the reference mat
 fp32 computation, rounded once), which Inductor fuses into its own pointwise kernels, with the
 table computation and the neighbouring views where it can: a rope is pointwise, so Inductor's
 kernel moves the same bytes as ours (benchmarks/RESULTS.md: ours 0.99-1.12x compiled), while its
-launch takes a handful of arguments where ours takes ~60 (host time per call measured 37 vs
-26 us on the H100 host, stop 12). The Triton kernel serves eager calls and opaque graphs.
+launch takes a handful of arguments where ours takes ~60 (host time per compiled call on the H100
+host, stop 12: our kernel launched by Inductor 37 us, Inductor's HF rope 26; decomposed, 32 vs
+21 in a later run: this spelling of the math still costs Inductor more than HF's, NOTES.md
+attempt 18). The Triton kernel serves eager calls and opaque graphs.
 """
 from __future__ import annotations
 
