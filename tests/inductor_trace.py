@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import os
 import sys
 from types import SimpleNamespace
@@ -89,7 +90,7 @@ def summary(gm: fx.GraphModule) -> dict:
                 if not (src.op == "call_function" and src.target in (
                         torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                         torch.ops.aten.empty_like.default)
-                        or src.target is __import__("operator").getitem):
+                        or src.target is operator.getitem):
                     cloned_inputs.append(f"{name}.{c}")
         elif str(n.target).startswith("fuse_plugin."):
             opaque.append(str(n.target))
