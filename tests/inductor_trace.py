@@ -76,7 +76,7 @@ def summary(gm: fx.GraphModule) -> dict:
     """Kernels launched (name, clones), opaque ops left, and whether outputs are kernel results."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    launches, opaque, cloned_inputs = [], [], []
+    launches, opaque, cloned_inputs, direct_descriptor_reads = [], [], [], []
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -85,6 +85,11 @@ def summary(gm: fx.GraphModule) -> dict:
             name = getattr(kernel, "fn", kernel).__name__
             clones = list(n.kwargs["tensors_to_clone"])
             launches.append([name, sorted(clones), sorted(n.kwargs["tma_descriptor_metadata"])])
+            for arg in n.kwargs["tma_descriptor_metadata"]:
+                # a read through a descriptor must be a fresh view (launch._fresh_view)
+                src = n.kwargs["kwargs"][arg]
+                if arg not in clones and src.target is not torch.ops.aten.as_strided.default:
+                    direct_descriptor_reads.append(f"{name}.{arg}")
             for c in clones:  # a clone of anything but a fresh buffer would copy an input
                 src = n.kwargs["kwargs"][c]
                 if not (src.op == "call_function" and src.target in (
@@ -99,7 +104,7 @@ def summary(gm: fx.GraphModule) -> dict:
     empty_outputs = [a.name for a in outs if a.op == "call_function"
                      and a.target is torch.ops.aten.empty.memory_format]
     return dict(launches=launches, opaque=opaque, cloned_inputs=cloned_inputs,
-                empty_outputs=empty_outputs)
+                empty_outputs=empty_outputs, direct_descriptor_reads=direct_descriptor_reads)
 
 
 def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
@@ -180,9 +185,11 @@ CASES = {
     # general forward, atomic backward with the GQA split (fp32 partials summed by Inductor)
     "gqa_d64_n1000": lambda: attention_case(2, 16, 4, 1000, 64),
     # TMA forward (table), general backward (the table's Gluon entry cannot run on Triton 3.9)
+    "d64_n4000": lambda: attention_case(2, 16, 16, 4000, 64),
+    # the same table entries, but too small to hide the descriptors' host time: general kernels
     "d64_n2000": lambda: attention_case(2, 16, 16, 2000, 64),
     # the atomic-free TMA pair backward (table, D 256)
-    "d256_tma_pair": lambda: attention_case(1, 4, 2, 700, 256),
+    "d256_tma_pair": lambda: attention_case(2, 4, 2, 4000, 256),
     # additive mask with its gradient; bool mask; dropout; head dim split 64 + 16; fp32
     "float_mask_dbias": lambda: attention_case(1, 4, 4, 300, 64, mask="float", need_dbias=True,
                                                is_causal=False),
@@ -214,6 +221,23 @@ def run_case(name: str) -> dict:
             with mock.patch.object(attn, "_gluon_platform_ineligible", fwd), \
                     mock.patch.object(attn, "_gluon_bwd_ineligible", bwd):
                 return summary(attention_case(*shape, is_causal=True))
+        if name == "d64_n2000_cudagraphs":  # CUDA graphs replay without host time: TMA again
+            from torch._inductor import config
+
+            with config.patch({"triton.cudagraphs": True}):
+                return summary(CASES["d64_n2000"]())
+        if name == "chained_tma":  # one forward's output read by the next one's descriptor
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            mode = FakeTensorMode()
+            q, k, v = (fake(mode, 2, 16, 4000, 64) for _ in range(3))
+
+            def chain(q, k, v):
+                for _ in range(2):
+                    q = OPS.attention(q, k, v, None, 0.0, True, 0.125)[0]
+                return (q,)
+
+            return summary(trace(chain, q, k, v))
         if name == "untraceable":  # a kernel whose writes the analysis misses: the op stays whole
             from fuse_plugin.kernels import launch
 
@@ -242,7 +266,8 @@ if __name__ == "__main__":
 
     warnings.simplefilter("ignore") if "-v" not in sys.argv else None
     sys.argv = [a for a in sys.argv if a != "-v"]
-    names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small", "untraceable",
+    names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small",
+                             "d64_n2000_cudagraphs", "chained_tma", "untraceable",
                              "disabled", "export", "symbolic"]
     for name in names:
         try:

@@ -110,7 +110,7 @@ def test_gluon_kernels_under_compile():
     probe = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)
     if attn._gluon_platform_ineligible(probe, probe):
         pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
-    # large enough that a compiled graph takes the Gluon kernels (_GLUON_TRACED_MIN_FLOPS)
+    # large enough that a compiled graph takes the Gluon kernels (_HOST_HEAVY_TRACED_MIN_FLOPS)
     q = torch.randn(1, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -45,6 +45,7 @@ def assert_fully_traced(case: dict) -> None:
     assert case["opaque"] == []
     assert case["cloned_inputs"] == []
     assert case["empty_outputs"] == []
+    assert case["direct_descriptor_reads"] == []
 
 
 FWD = "attention_fwd_kernel"
@@ -55,8 +56,11 @@ CAST = "attention_dq_cast_kernel"
 
 @pytest.mark.parametrize("name, expected", [
     ("gqa_d64_n1000", [FWD, PRE, ATOMIC, CAST]),
-    ("d64_n2000", ["attention_fwd_tma_kernel", PRE, ATOMIC, CAST]),
+    ("d64_n4000", ["attention_fwd_tma_kernel", PRE, ATOMIC, CAST]),
+    ("d64_n2000", [FWD, PRE, ATOMIC, CAST]),
+    ("d64_n2000_cudagraphs", ["attention_fwd_tma_kernel", PRE, ATOMIC, CAST]),
     ("d256_tma_pair", [FWD, PRE, "attention_bwd_dkdv_tma_kernel", "attention_bwd_dq_tma_kernel"]),
+    ("chained_tma", ["attention_fwd_tma_kernel"] * 2),
     ("float_mask_dbias", [FWD, PRE, ATOMIC, CAST]),
     ("bool_mask", [FWD, PRE, ATOMIC, CAST]),
     ("dropout", [FWD, PRE, ATOMIC, CAST]),
@@ -77,7 +81,7 @@ def test_each_launch_writes_only_its_outputs(traced):
     assert clones(traced["gqa_d64_n1000"]) == {FWD: ["Lse", "Out"], PRE: ["DQA", "Delta", "RowM"],
                                                ATOMIC: ["DK", "DQA", "DV"], CAST: ["DQ"]}
     # TMA stores are writes too, through the descriptors Inductor builds from the metadata
-    name, written, descriptors = traced["d64_n2000"]["launches"][0]
+    name, written, descriptors = traced["d64_n4000"]["launches"][0]
     assert written == ["Lse", "o_desc"] and descriptors == ["k_desc", "o_desc", "q_desc", "v_desc"]
     # a float mask: the row statistics in natural units, and dS for the mask's gradient
     assert clones(traced["float_mask_dbias"])[PRE] == ["DQA", "Delta", "RowM", "RowR"]
@@ -87,14 +91,15 @@ def test_each_launch_writes_only_its_outputs(traced):
 def test_gluon_kernels_stay_one_opaque_op_each(traced):
     """Inductor cannot compile Gluon: where the table picks a Gluon kernel (an H100 with Triton
     3.6, pretended here) for a problem large enough, the launcher leaves one internal op per pass
-    in the graph; a small problem takes the Triton kernels (one Inductor launch each) instead."""
+    in the graph; a small problem takes the general Triton kernels (one Inductor launch each, no
+    descriptors to build) instead."""
     case = traced["gluon"]
     assert case["launches"] == []
     assert case["opaque"] == ["fuse_plugin.gluon_attention_forward.default",
                               "fuse_plugin.gluon_attention_backward.default"]
     small = traced["gluon_small"]
     assert_fully_traced(small)
-    assert kernels(small) == ["attention_fwd_tma_kernel", PRE, ATOMIC, CAST]
+    assert kernels(small) == [FWD, PRE, ATOMIC, CAST]
 
 
 def test_an_untraceable_launch_keeps_its_op_whole(traced):

@@ -608,9 +608,10 @@ _TMA_PAIR_HEAD_DIMS = (64, 128, 256)
 
 
 def _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv,
-                    head_dims=_TMA_HEAD_DIMS) -> Optional[str]:
+                    head_dims=_TMA_HEAD_DIMS, is_causal: bool = False) -> Optional[str]:
     """None when the TMA kernels cover this problem, else why not (attention_fwd_tma.py; ``out``
-    is the forward's output or the backward's dout, the other tensor they read by TMA)."""
+    is the forward's output or the backward's dout, the other tensor they read by TMA).
+    Traced, also ``_host_heavy_traced_ineligible``."""
     if kind != _NO_BIAS or dropout or rope_consts["ROT"]:
         return "it takes no bias, dropout or rope"
     if D != Dv or D not in head_dims:
@@ -621,6 +622,9 @@ def _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv,
         return "TMA needs compute capability 9.0 or newer"
     if is_tracing() and not descriptors_traceable():
         return "this torch takes no host-side TMA descriptors into compiled graphs"
+    why_not = _host_heavy_traced_ineligible(q, k, is_causal, "its descriptors")
+    if why_not is not None:
+        return why_not
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         # TMA: 16-byte aligned base and non-zero strides (the head-dim stride is 1, see
         # _unit_last_stride; launch.tma_strides_ok says which strides of size-1 dims count).
@@ -651,30 +655,38 @@ def _gluon_platform_ineligible(q, k, is_causal: bool = False) -> Optional[str]:
     return _gluon_traced_ineligible(q, k, is_causal)
 
 
-# Traced (compiled, kernels/launch.py) a Gluon kernel launches from an opaque op (ops/gluon.py)
-# at 0.1-0.3 ms of host time per call on the H100 host, where the Triton kernels cost one
-# Inductor launch each (benchmarks/RESULTS.md, stop 12). Below this many forward FLOPs (~0.3 ms
-# of backward at 300 TFLOP/s) the Gluon kernel's own device time cannot cover that, and its
-# table entry yields to the Triton kernels, unless the graph runs under CUDA graphs
+# Host time per call, traced (compiled, kernels/launch.py), H100 host (benchmarks/RESULTS.md,
+# stop 13): a Gluon kernel launches from an opaque op (ops/gluon.py), 0.1-0.3 ms; a TMA kernel
+# is an Inductor launch that first builds its host-side descriptors (``TensorDescriptor.
+# from_tensor`` in Python, then encoded by the launcher), ~57 us per forward against ~20 for the
+# general kernel's launch. Below this many forward FLOPs (~0.1 ms of forward, ~0.3 ms of
+# backward at 300 TFLOP/s) the op's own device time cannot hide that, and a Gluon or TMA table
+# entry yields to the general Triton kernels, unless the graph runs under CUDA graphs
 # (mode="reduce-overhead"), whose replays cost no host time per kernel.
-_GLUON_TRACED_MIN_FLOPS = 3.6e10
+_HOST_HEAVY_TRACED_MIN_FLOPS = 3.6e10
 
 
-def _gluon_traced_ineligible(q, k, is_causal: bool) -> Optional[str]:
-    """Why a traced launch takes no Gluon kernel here (None: it may), see above."""
+def _host_heavy_traced_ineligible(q, k, is_causal: bool, what: str) -> Optional[str]:
+    """Why a traced launch takes no kernel with a costly launch path here (None: it may), see
+    above; ``what`` names the cost."""
     if not is_tracing():
         return None
-    if not python_ops_allowed():
-        return ("AOTInductor / cpp_wrapper packages take Triton kernels only (the Gluon kernels "
-                "launch from a Python op)")
     from torch._inductor import config
 
     B, Hq, Lq, D = q.shape
     flops = 4 * B * Hq * Lq * k.shape[2] * D * (0.5 if is_causal else 1.0)
-    if flops < _GLUON_TRACED_MIN_FLOPS and not config.triton.cudagraphs:
-        return (f"compiled, {flops:.2g} FLOPs are too few to cover the host time of its op "
-                f"(< {_GLUON_TRACED_MIN_FLOPS:.2g})")
+    if flops < _HOST_HEAVY_TRACED_MIN_FLOPS and not config.triton.cudagraphs:
+        return (f"compiled, {flops:.2g} FLOPs are too few to cover the host time of {what} "
+                f"(< {_HOST_HEAVY_TRACED_MIN_FLOPS:.2g})")
     return None
+
+
+def _gluon_traced_ineligible(q, k, is_causal: bool) -> Optional[str]:
+    """Why a traced launch takes no Gluon kernel here (None: it may), see above."""
+    if is_tracing() and not python_ops_allowed():
+        return ("AOTInductor / cpp_wrapper packages take Triton kernels only (the Gluon kernels "
+                "launch from a Python op)")
+    return _host_heavy_traced_ineligible(q, k, is_causal, "its op")
 
 
 def _gluon_variant(cfg: AttentionConfig) -> "gluon_fwd.GluonFwdVariant":
@@ -688,7 +700,8 @@ def _gluon_bwd_ineligible(q, k, v, out, dout, kind, rope_consts, dropout, is_cau
     the TMA kernels' problems on sm_90 with the Triton it is written for. (Its own, thorough
     ``gluon_backward_ineligible`` repeats what this launcher has checked already; it costs
     ~0.1 ms of host time per call on the H100 host.)"""
-    why_not = _tma_ineligible(q, k, v, dout, kind, rope_consts, dropout, scale, D, Dv)
+    why_not = _tma_ineligible(q, k, v, dout, kind, rope_consts, dropout, scale, D, Dv,
+                              is_causal=is_causal)
     if why_not is not None:
         return why_not
     if not gluon_bwd.GLUON_AVAILABLE or not triton.__version__.startswith(gluon_bwd._TESTED_TRITON):
@@ -809,7 +822,8 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     _check_config(cfg, "fwd")
     tma_checked = None  # (_tma_ineligible's answer,) once asked: a Gluon entry asks it first
     if cfg.kernel in _GLUON_KERNELS:
-        tma_checked = (_tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv),)
+        tma_checked = (_tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv,
+                                       is_causal=is_causal),)
         why_not = tma_checked[0] or _gluon_platform_ineligible(q, k, is_causal)
         if why_not is None and ("gluon", cfg) not in _FAILED_CONFIGS:
             if is_tracing():  # Inductor cannot compile Gluon: its launch stays one opaque op
@@ -832,7 +846,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         cfg = _TMA_FORWARD_FALLBACK  # the TMA kernel if it applies, else as below
     if cfg.tma:
         why_not = tma_checked[0] if tma_checked else \
-            _tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv)
+            _tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv, is_causal=is_causal)
         if why_not is None:
             _launch(lambda c: _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, c), cfg,
                     user_given, "tma")
@@ -914,7 +928,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     use_tma_pair = False
     if cfg.kernel == "tma_pair":
         why_not = "it writes no dbias" if need_dbias else \
-            _tma_ineligible(q, k, v, dout, kind, rc, dropout, scale, D, Dv, _TMA_PAIR_HEAD_DIMS)
+            _tma_ineligible(q, k, v, dout, kind, rc, dropout, scale, D, Dv, _TMA_PAIR_HEAD_DIMS,
+                            is_causal)
         if why_not is None:
             use_tma_pair = True
         elif user_given:
@@ -961,7 +976,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     use_tma = False
     if cfg.tma and not deterministic:
         why_not = "it writes no dbias" if need_dbias else \
-            _tma_ineligible(q, k, v, dout, kind, rc, dropout, scale, D, Dv)
+            _tma_ineligible(q, k, v, dout, kind, rc, dropout, scale, D, Dv, is_causal=is_causal)
         if why_not is None and is_tracing():
             why_not = _TMA_REDUCE_UNTRACEABLE
         if why_not is None:

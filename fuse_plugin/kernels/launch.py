@@ -227,6 +227,21 @@ def _check_writes(kernel, kernel_idx: int, constants_idx: int, graphable: dict, 
             f"not {sorted(writes)}")
 
 
+def _fresh_view(t: torch.Tensor) -> torch.Tensor:
+    """A no-op view of a tensor a launch reads through a TMA descriptor: its own IR node.
+
+    Inductor makes one descriptor per (IR node, block) and reuses it for every launch that asks
+    again (``ir.TMADescriptor._CACHE``, torch 2.11 and 2.13), and the descriptor node depends on
+    the buffer as it was when the descriptor was first made. A launch reading, through a
+    descriptor, a buffer that an earlier launch of the graph wrote through a descriptor of the
+    same block (one attention's output fed as the next one's q; a KV cache written in place
+    after an earlier read) would then get the earlier descriptor, with no dependency on the
+    write: Inductor dropped such writers as dead code (H100, torch 2.11: 10 of 11 chained
+    forwards, silently). A fresh view is a new IR node (a ``ReinterpretView``: no copy, no
+    kernel), so its descriptor is made after, and depends on, the write."""
+    return t.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
 def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, num_warps,
             num_stages) -> None:
     from torch._higher_order_ops.triton_kernel_wrap import (
@@ -241,7 +256,10 @@ def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, n
     tma = {}
     for name, value in bound.items():
         if isinstance(value, Desc):
-            bound[name] = value.tensor
+            t = value.tensor
+            if name not in writes:
+                t = _fresh_view(t)
+            bound[name] = t
             tma[name] = ("stable", (list(value.block),))
     graphable = {k: v for k, v in bound.items() if _graphable(v)}
     constants = {k: v for k, v in bound.items() if not _graphable(v)}
