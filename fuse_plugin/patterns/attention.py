@@ -606,7 +606,10 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     r = read_masks(ops, ss, lq, lk)
     if isinstance(r, str):
         return r
-    bias_parts, is_causal, causal_note, notes = causal_or_bias(r)
+    r2 = causal_or_bias(r)
+    if isinstance(r2, str):
+        return r2
+    bias_parts, is_causal, causal_note, notes = r2
     scale, scale_nodes = r.scale, r.scale_nodes
     # ---------------------------------------------------------------- GQA
     groups = 1
@@ -655,7 +658,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         k, v = _build_operand(b, site.k), _build_operand(b, site.v)
         for _ in range(4 - site.rank):
             q, k, v = (b.method("unsqueeze", t, 0) for t in (q, k, v))
-        bias, bias_kind = build_bias(b, site.bias_parts, ctx.setdefault("bias_memo", {}))
+        bias_dtype = torch.float64 if dtype(site.scores) == torch.float64 else torch.float32
+        bias, bias_kind = build_bias(b, site.bias_parts, ctx.setdefault("bias_memo", {}), bias_dtype)
         seed = ()
         if site.dropout_p:
             # A fresh seed per call from torch's RNG: the op's forward and backward draw the same mask.
