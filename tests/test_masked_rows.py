@@ -293,3 +293,23 @@ def test_float64_finfo_min_fill():
     out.sum().backward()
     for a, b in zip(qkv, ours):
         assert rel_err(b.grad, a.grad) <= 1e-12
+
+
+def test_narrowing_cast_before_softmax_is_refused():
+    """float64 scores masked with float64's finfo.min, softmax in float32: eager's cast makes the
+    fill -inf (a row masked everywhere turns NaN), which the op, computing in float64, would not
+    do. Left unfused (found by the fuzzer, seed 140); the widening float32 softmax of float16
+    scores stays fused (tests/test_attention_patterns.py)."""
+    fmin64 = torch.finfo(torch.float64).min
+
+    def f(q, k, v, keep):
+        return F.softmax((q @ k.transpose(-2, -1)).masked_fill(~keep, fmin64), dim=-1, dtype=torch.float32) @ v.float()
+
+    qkv = [t.detach().double() for t in _inputs(4)]
+    keep = torch.tensor([[True, False, True, False], [False] * 4, [True] * 4, [False, False, False, True]])
+    _, _, report = capture(f, *qkv, keep)
+    assert report.count("attention") == 0
+    assert "cast from torch.float64 down to torch.float32" in report.misses[0].reason
+    torch._dynamo.reset()
+    ref, out = f(*qkv, keep), torch.compile(f, backend=rewrite_aot_eager)(*qkv, keep)
+    assert torch.equal(out.isnan(), ref.isnan()) and out[..., 1, :].isnan().all()

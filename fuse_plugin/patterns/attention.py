@@ -552,6 +552,9 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     if isinstance(r, str):
         return r
     scores, ops, chain_nodes = r
+    narrowed = _narrowing_cast([scores] + list(reversed(chain_nodes)) + [softmax])
+    if narrowed is not None:
+        return narrowed
     # scores computed over merged (batch, heads): the chain below the split is 3-D, and only scales it
     split = next((i for i, op in enumerate(ops) if op[0] == "split_batch"), None)
     merged_nodes = chain_nodes[split + 1:] if split is not None else []
@@ -635,6 +638,23 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
         is_causal=is_causal, causal_note=causal_note, kv_groups=groups,
         out_ops=out_ops, matched=matched, notes=notes, dropout_p=dropout_p,
     )
+
+
+def _narrowing_cast(nodes: list) -> Optional[str]:
+    """Why the chain (product → softmax, the softmax's own dtype= last) is refused, if a cast in it
+    narrows the scores' float dtype (float64 → float32, float32 → float16, ...): eager then rounds
+    the scores and masks (finfo.min of float64 becomes -inf in float32, turning uniform rows
+    into NaN ones), which the op, computing in the wider dtype, would not."""
+    widest = None
+    for n in nodes:
+        dt = dtype(n)
+        if dt is None or not dt.is_floating_point:
+            continue
+        if widest is not None and dt.itemsize < widest.itemsize:
+            return f"the scores are cast from {widest} down to {dt} before the softmax ({n.name})"
+        if widest is None or dt.itemsize > widest.itemsize:
+            widest = dt
+    return None
 
 
 def _strip_cast(x: _Operand) -> _Operand:
