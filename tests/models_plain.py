@@ -37,6 +37,10 @@ NEGATIVES = (
     "none", "softmax_dim", "weights_used", "bad_permute", "mask_5d", "scores_used", "fill_not_mask",
     "mul_by_tensor", "inplace_fill", "small_head",
 )
+# masks the recogniser must leave alone: a finite causal fill followed by an additive padding mask
+# (old HF GPT-2). With left padding, a padded query's row mixes filled scores (no gradient in
+# eager) and added ones (gradient) at the same finfo.min value; the op cannot keep both.
+UNFUSED_MASKS = ("causal_pad_min",)
 # masks that make the recogniser emit is_causal
 CAUSAL_MASKS = ("causal_tril", "causal_tril_eq0", "causal_arange", "causal_triu_add", "causal_buffer", "causal_pad_inf")
 
@@ -67,7 +71,7 @@ class AttnSpec:
 
     def fused(self) -> bool:
         """Must the recogniser replace this attention?"""
-        return self.negative == "none"
+        return self.negative == "none" and self.mask not in UNFUSED_MASKS
 
     def causal(self) -> bool:
         """Must the recogniser emit is_causal? (A 1×1 causal mask masks nothing.)"""

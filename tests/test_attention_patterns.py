@@ -776,7 +776,7 @@ fused: scale=0.25, bias: bool mask""")
             w = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")) + mask
             return F.softmax(w, dim=-1) @ v
 
-        def gpt2(q, k, v, mask):  # finfo.min fill + padding: stays in the bias (exact semantics)
+        def gpt2(q, k, v, mask):  # finfo.min fill + additive padding: refused (tests/test_masked_rows.py)
             l = q.shape[2]
             keep = torch.ones(l, l, dtype=torch.bool).tril()
             w = q @ k.transpose(-2, -1) * 0.25
@@ -825,20 +825,8 @@ fused: scale=0.25, is_causal (tril/triu mask), bias: additive mask""")
 12 softmax(#11, -1, 3, None)
 13 matmul(#12, #3)
 14 output (#13)
---- after ---
-0 input (2, 4, 8, 16)
-1 input (2, 4, 8, 16)
-2 input (2, 1, 1, 8)
-3 input (2, 4, 8, 16)
-4 ones(8, 8, dtype=bool)
-5 tril(#4, 0)
-6 where(#5, 0, -3.40282e+38)
-7 add(#6, #2, 1)
-8 fuse_plugin.attention(#0, #1, #3, #7, 0, False, 0.25)
-9 getitem(#8, 0)
-10 output (#9)
---- report ---
-fused: scale=0.25, bias: float mask, causal mask (tril/triu mask) kept in the bias: its fill is finite and another mask applies, so the op's -inf causal masking would change rows masked everywhere""")
+--- after: unchanged ---
+not fused: a finite masked_fill/where (value -3.40282e+38) together with an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
 
     def test_bottom_right_causal_is_not_is_causal(self):
         def f(q, k, v):  # a KV-cache step: query i sees keys <= i + (Lk - Lq)

@@ -552,6 +552,9 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     if isinstance(r, str):
         return r
     scores, ops, chain_nodes = r
+    narrowed = _narrowing_cast([scores] + list(reversed(chain_nodes)) + [softmax])
+    if narrowed is not None:
+        return narrowed
     # scores computed over merged (batch, heads): the chain below the split is 3-D, and only scales it
     split = next((i for i, op in enumerate(ops) if op[0] == "split_batch"), None)
     merged_nodes = chain_nodes[split + 1:] if split is not None else []
@@ -606,7 +609,10 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     r = read_masks(ops, ss, lq, lk)
     if isinstance(r, str):
         return r
-    bias_parts, is_causal, causal_note, notes = causal_or_bias(r)
+    r2 = causal_or_bias(r)
+    if isinstance(r2, str):
+        return r2
+    bias_parts, is_causal, causal_note, notes = r2
     scale, scale_nodes = r.scale, r.scale_nodes
     # ---------------------------------------------------------------- GQA
     groups = 1
@@ -634,6 +640,23 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     )
 
 
+def _narrowing_cast(nodes: list) -> Optional[str]:
+    """Why the chain (product → softmax, the softmax's own dtype= last) is refused, if a cast in it
+    narrows the scores' float dtype (float64 → float32, float32 → float16, ...): eager then rounds
+    the scores and masks (finfo.min of float64 becomes -inf in float32, turning uniform rows
+    into NaN ones), which the op, computing in the wider dtype, would not."""
+    widest = None
+    for n in nodes:
+        dt = dtype(n)
+        if dt is None or not dt.is_floating_point:
+            continue
+        if widest is not None and dt.itemsize < widest.itemsize:
+            return f"the scores are cast from {widest} down to {dt} before the softmax ({n.name})"
+        if widest is None or dt.itemsize > widest.itemsize:
+            widest = dt
+    return None
+
+
 def _strip_cast(x: _Operand) -> _Operand:
     """x without a float cast on it (q.float() @ k.float().mT: the op computes in float32 anyway)."""
     uncast = float_cast_input(x.node) if not x.ops else None
@@ -655,7 +678,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         k, v = _build_operand(b, site.k), _build_operand(b, site.v)
         for _ in range(4 - site.rank):
             q, k, v = (b.method("unsqueeze", t, 0) for t in (q, k, v))
-        bias, bias_kind = build_bias(b, site.bias_parts, ctx.setdefault("bias_memo", {}))
+        bias_dtype = torch.float64 if dtype(site.scores) == torch.float64 else torch.float32
+        bias, bias_kind = build_bias(b, site.bias_parts, ctx.setdefault("bias_memo", {}), bias_dtype)
         seed = ()
         if site.dropout_p:
             # A fresh seed per call from torch's RNG: the op's forward and backward draw the same mask.

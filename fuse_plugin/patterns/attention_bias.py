@@ -9,10 +9,23 @@ factor, divide), ("add", bias, subtract), ("fill", mask, masked_when, value), an
     MaskFill     masked_fill / where with a mask value (<= MASK_VALUE_MAX or -inf)
     CausalPart   a part proven to be the top-left causal mask (`causal_mask.is_causal_mask`)
 
-`causal_or_bias` decides whether the causal part can become `is_causal`; `build_bias` emits one
-bias for the rest: -inf fills as a bool mask, anything else as a float32 additive bias that
-reproduces eager's fully-masked rows (uniform weights with finite fills, NaN with -inf), with
-`zero_filled_rows` keeping the gradient of such rows what eager's is.
+`causal_or_bias` decides whether the causal part can become `is_causal` (or refuses the chain);
+`build_bias` emits one bias for the rest: -inf fills as a bool mask, anything else as an additive
+bias that replays the chain's masks, in eager's order, on zero scores: every score a fill replaces
+gets exactly eager's value, so rows masked everywhere come out as in eager (uniform weights over
+the largest fill values, NaN when all are -inf), and `zero_filled_rows` zeroes q in the rows every
+fill together covers, so that such a row's scores are exactly the bias and get no gradient, as
+eager's filled scores get none.
+
+Fully masked rows, the cases (eager semantics, which the rewrite keeps):
+  * -inf fills / bool masks / additive -inf: NaN output; eager's fill backward gives dq 0 and
+    leaves dk finite, which the op's backward does too (a row whose lse is -inf adds nothing);
+  * finite fills (finfo.min, -1e9, -1e4, different ones mixed, with -inf ones): softmax over the
+    fill values themselves (uniform over the largest), no gradient into q·kᵀ;
+  * additive masks only: softmax of score + mask, with gradient (the op adds the bias the same way);
+  * a finite fill together with an additive mask: refused. In a row masked everywhere eager mixes
+    filled scores (no gradient) and added ones (gradient) with tied values; the op can zero
+    a row's gradient or keep it, not both.
 """
 from __future__ import annotations
 
@@ -29,10 +42,7 @@ from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, ca
                           is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
 
-# The additive value a finite fill becomes: it swallows any score in float32, as finfo.min does
-# in eager, so a row masked everywhere still gets uniform weights.
-FLOAT_MASK_VALUE = torch.finfo(torch.float32).min
-
+dtype_of = dtype  # (build_bias has a `dtype` argument)
 
 @dataclass
 class BiasTerm:
@@ -50,7 +60,7 @@ class MaskFill:
     mask: fx.Node
     masked_when: bool
     value: float
-    causal: bool = False  # the mask is the causal mask (which never hides a whole row)
+    scale: float = 1.0  # constant scales applied after the fill (eager's value is value * scale)
 
 
 @dataclass
@@ -92,8 +102,8 @@ def read_masks(ops: list, scores_shape, lq, lk) -> Union[ScoreMasks, str]:
                 if factor <= 0:
                     return f"negative scale {factor:g}"
                 scale *= factor
-                # (x + b)·c = x·c + b·c: the terms so far are scaled too (fills stay fills)
-                for t in {id(t): t for t in raw + split if isinstance(t, BiasTerm)}.values():
+                # (x + b)·c = x·c + b·c: the terms and fill values so far are scaled too
+                for t in {id(t): t for t in raw + split if isinstance(t, (BiasTerm, MaskFill))}.values():
                     t.scale *= factor
             else:
                 if raw:
@@ -119,7 +129,7 @@ def read_masks(ops: list, scores_shape, lq, lk) -> Union[ScoreMasks, str]:
             if not broadcasts_to(shape(mask), scores_shape):
                 return f"mask of shape {fmt_shape(shape(mask))} does not broadcast to the scores {fmt_shape(scores_shape)}"
             parts = _bool_mask_parts(mask, masked_when, value, lq, lk, memo)
-            raw.append(MaskFill(mask, masked_when, value, causal=len(parts) == 1 and isinstance(parts[0], CausalPart)))
+            raw.append(MaskFill(mask, masked_when, value))
             split.extend(parts)
     return ScoreMasks(scale, scale_nodes, raw, split)
 
@@ -179,36 +189,58 @@ def _bias_term_parts(term: BiasTerm, lq, lk, memo) -> list:
     return [term]
 
 
-def causal_or_bias(m: ScoreMasks) -> tuple[list, bool, str, list]:
-    """(the parts left for the bias, is_causal, how the causal mask was found, notes).
+def _finite_fill(p: MaskPart) -> bool:
+    return isinstance(p, MaskFill) and p.value != -math.inf
 
-    A causal part becomes is_causal unless that changes eager's result: the op masks with -inf,
-    so a causal mask filled with a finite value (finfo.min) may only go when it is the only mask.
-    With another mask as well, a row whose visible keys that mask hides entirely gets, in eager,
-    uniform weights over every key holding the same finfo.min; is_causal would give weights over
-    the visible keys only. Then the causal mask stays in the bias (still fused, not is_causal)."""
+
+def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list], str]:
+    """(the parts left for the bias, is_causal, how the causal mask was found, notes), or why the
+    chain is refused.
+
+    A causal part becomes is_causal (the op's -inf causal masking, applied after the bias) only
+    where that keeps eager's value of every score it hides:
+      * it is the only mask: every row keeps key 0, no row is masked everywhere, so its fill value
+        (-inf or finite) changes nothing;
+      * it fills -inf and no finite fill is among the other parts: the hidden scores stay -inf in
+        eager whatever comes after (-inf + bias = -inf; a later -inf fill), whereas a later finite
+        fill would overwrite them (a row whose visible keys it all fills then spreads its weights
+        over those hidden keys too) and a finite fill before it would need the rows it covers
+        together with the causal mask zeroed.
+    Otherwise the causal mask stays in the bias with its own value (still fused, not is_causal)."""
     causal = [p for p in m.split if isinstance(p, CausalPart)]
     rest = [p for p in m.split if not isinstance(p, CausalPart)]
-    if not causal:
-        return m.raw, False, "", []
-    if not rest or all(p.value == -math.inf for p in causal):
-        return rest, True, causal[0].source, []
-    note = (f"causal mask ({causal[0].source}) kept in the bias: its fill is finite and another mask "
-            "applies, so the op's -inf causal masking would change rows masked everywhere")
-    return m.raw, False, "", [note]
+    parts, is_causal, source, notes = m.raw, False, "", []
+    if causal and not rest:
+        parts, is_causal, source = [], True, causal[0].source
+    elif causal and all(p.value == -math.inf for p in causal) and not any(_finite_fill(p) for p in rest):
+        parts, is_causal, source = rest, True, causal[0].source
+    elif causal:
+        notes.append(f"causal mask ({causal[0].source}) kept in the bias with its own values: "
+                     "is_causal's -inf masking would change rows masked everywhere")
+    fill = next((p for p in parts if _finite_fill(p)), None)
+    if fill is not None and any(isinstance(p, BiasTerm) for p in parts):
+        return (f"a finite masked_fill/where (value {fill.value:g}) together with an additive mask: in a row "
+                "masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)")
+    return parts, is_causal, source, notes
 
 
 # --------------------------------------------------------------------------- building the bias
 
 
-def build_bias(b: NodeBuilder, parts: list, memo: dict) -> tuple[Optional[fx.Node], str]:
-    """One attn_bias for the mask parts left: (node or None, description)."""
+def build_bias(b: NodeBuilder, parts: list, memo: dict, dtype: torch.dtype = torch.float32
+               ) -> tuple[Optional[fx.Node], str]:
+    """One attn_bias for the mask parts left: (node or None, description).
+
+    Only -inf fills: one bool keep mask. One additive term: that tensor. Otherwise the parts are
+    replayed in eager's order on zero scores, in `dtype` (float32; float64 for float64 scores):
+    a fill writes its own value (times the scales after it) where its mask holds, a term is added.
+    Where a fill replaced the scores, the bias is exactly eager's value there."""
     if not parts:
         return None, ""
     key = tuple(
-        ("t", p.node, p.negate, p.scale) if isinstance(p, BiasTerm) else ("f", p.mask, p.masked_when, p.value)
+        ("t", p.node, p.negate, p.scale) if isinstance(p, BiasTerm) else ("f", p.mask, p.masked_when, p.value, p.scale)
         for p in parts
-    )
+    ) + (dtype,)
     if key in memo and precedes(memo[key][0], b.before):
         return memo[key]
     fills = [p for p in parts if isinstance(p, MaskFill)]
@@ -218,32 +250,38 @@ def build_bias(b: NodeBuilder, parts: list, memo: dict) -> tuple[Optional[fx.Nod
             k = p.mask if not p.masked_when else _negated(b, p.mask)
             keep = k if keep is None else b.function(torch.logical_and, keep, k)
         result = (keep, "bool mask")
-    elif len(parts) == 1 and isinstance(parts[0], BiasTerm) and not parts[0].negate and parts[0].scale == 1.0 and dtype(parts[0].node).is_floating_point:
+    elif len(parts) == 1 and isinstance(parts[0], BiasTerm) and not parts[0].negate and parts[0].scale == 1.0 and dtype_of(parts[0].node).is_floating_point:
         result = (parts[0].node, "additive mask")
     else:
         bias = None
         for p in parts:
             if isinstance(p, BiasTerm):
                 t = p.node
-                if not dtype(t).is_floating_point or (bias is not None and dtype(t) != torch.float32):
-                    t = b.method("to", t, torch.float32)
+                if not dtype_of(t).is_floating_point or (bias is not None and dtype_of(t) != dtype_of(bias)):
+                    t = b.method("to", t, dtype if bias is None else dtype_of(bias))
                 if p.negate:
                     t = b.function(operator.neg, t)
                 if p.scale != 1.0:
                     t = b.function(operator.mul, t, p.scale)
                 bias = t if bias is None else b.function(operator.add, bias, t)
             else:
-                fill = -math.inf if p.value == -math.inf else FLOAT_MASK_VALUE
-                if bias is None:
-                    args = (p.mask, fill, 0.0) if p.masked_when else (p.mask, 0.0, fill)
-                else:
-                    if dtype(bias) != torch.float32:
-                        bias = b.method("to", bias, torch.float32)
-                    args = (p.mask, fill, bias) if p.masked_when else (p.mask, bias, fill)
+                value = cast_value(cast_value(p.value, dtype) * p.scale, dtype)
+                fill = value
+                if dtype != torch.get_default_dtype():  # where(m, number, number) takes the default dtype
+                    fill = b.factory(p.mask, torch.scalar_tensor, value, dtype=dtype, device=_device(p.mask))
+                other = 0.0 if bias is None else bias
+                if bias is not None and dtype_of(bias) != dtype:
+                    other = b.method("to", bias, dtype)
+                args = (p.mask, fill, other) if p.masked_when else (p.mask, other, fill)
                 bias = b.function(torch.where, *args)
         result = (bias, "float mask")
     memo[key] = result
     return result
+
+
+def _device(node: fx.Node) -> torch.device:
+    value = example_value(node)
+    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
 
 
 def _negated(b: NodeBuilder, mask: fx.Node) -> fx.Node:
@@ -255,14 +293,16 @@ def _negated(b: NodeBuilder, mask: fx.Node) -> fx.Node:
 
 
 def zero_filled_rows(b: NodeBuilder, q: fx.Node, parts: list) -> fx.Node:
-    """q with the rows zeroed whose every score a finite masked_fill/where replaces.
+    """q with the rows zeroed whose every score some masked_fill/where replaces, when a fill is finite.
 
-    Eager gives such a row uniform weights and no gradient into q·kᵀ (the fill replaces the
-    scores). The op adds the fill as a bias instead: the same weights, but a gradient through
-    q·kᵀ. A zero q row has the same forward (its scores are all the fill value) and no gradient."""
+    Eager gives such a row the softmax of the fill values and no gradient into q·kᵀ (the fills
+    replace the scores). The op adds the bias (the fill values there) to q·kᵀ instead: a zero q
+    row makes its scores exactly the bias, so the same weights, and no gradient into q or k.
+    (With -inf fills only, such a row is NaN in the forward and the op's backward drops it.)
+    `causal_or_bias` refuses additive terms next to finite fills, so all the parts are fills."""
     fills = [p for p in parts if isinstance(p, MaskFill)]
-    if all(p.value == -math.inf or p.causal for p in fills):
-        return q  # -inf everywhere: NaN, as eager; a causal fill leaves key 0 to every row
+    if not any(_finite_fill(p) for p in fills):
+        return q
     replaced = None
     for p in fills:
         m = p.mask if p.masked_when else _negated(b, p.mask)

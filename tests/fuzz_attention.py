@@ -1,0 +1,408 @@
+"""Differential fuzzer of the attention rewrite (issue 14): generated modules, compiled vs eager.
+
+`make_case(seed)` draws one module from a seeded generator:
+
+* spellings: inputs (B, H, L, D) or (B, L, H, D) transposed inside, or 3-D with batch and heads
+  merged (`bmm`); q·kᵀ by matmul / @ .mT / permute / einsum / bmm; the scale on the scores
+  (* or /), on q, split over q and k, or none; F.softmax / Tensor.softmax / torch.softmax /
+  softmax(dtype=float32); eval dropout; GQA by repeat_interleave or repeat_kv expand+reshape;
+  weights·v by matmul / einsum / bmm;
+* masks: up to three, in any order, each drawn from causal (masked_fill of ~tril or of
+  triu(ones, 1), where(tril, x, v), + full(v).triu(1)), key padding (left padding, so with a
+  causal mask whole rows go dead), a random (Lq, Lk) mask with fully masked rows, and a learned
+  additive bias (a parameter: its gradient is compared too); bool ones as masked_fill / where /
+  an additive 0-or-v tensor; values -inf, finfo.min, -1e9, -1e4 (additive ones: -inf and
+  finfo.min only, see below);
+* dtypes float32 (float64 in one case of six); shapes with Lq != Lk, Lq = 1 or Lk = 1, GQA;
+* mutants, which are not attention and must be left alone (0 fused sites in the rewrite's
+  report): softmax over dim -2, weights changed before the product with v (scaled, squared,
+  flipped, shifted), weights or scores also used elsewhere, a fill with 0 (not a mask value), a
+  multiplicative mask, log_softmax. Positive variants where v or q is also used elsewhere.
+
+`run_case(case)` compiles the module (our rewrite + AOTAutograd with eager kernels by default; the
+real `backend="fuse_plugin"` with Inductor when FUSE_PLUGIN_FUZZ_BACKEND=inductor) and compares
+with eager: outputs (rel 1e-5 in float32, NaN exactly where eager's are NaN) and the gradients of
+every input and parameter (rel 1e-4). Where eager's gradient is NaN (a row whose every score is
+-inf spreads NaN through the weights' backward), the gradient must be that of the module with
+`aten._safe_softmax` (the row contributes nothing; SDPA's math path does this too), which is what
+the op gives. Returns a `Result`; `wrong` lists what differs.
+
+Additive masks of -1e9 / -1e4 are not drawn: on a row masked everywhere eager's own result then
+depends on how score + mask rounds (score + -1e9 is a multiple of 64 in float32), so any other
+evaluation order differs; fills of these values are drawn (they replace the scores).
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FMIN32 = torch.finfo(torch.float32).min
+MUTANTS = ("softmax_dim", "weights_scaled", "weights_pow", "weights_flip", "weights_shift", "weights_used",
+           "scores_used", "fill_zero", "mul_mask", "log_softmax")
+POSITIVE_EXTRAS = ("v_used", "q_used")
+
+
+@dataclass
+class MaskStep:
+    kind: str  # causal | pad | rand | bias
+    spelling: str  # causal: fill_not_tril | fill_triu | where | add ; bool masks: fill | where | add ; bias: add
+    value: float  # the mask value ("fmin" is resolved to the scores' dtype)
+
+
+@dataclass
+class Case:
+    seed: int
+    dtype: torch.dtype
+    b: int
+    h: int
+    hkv: int
+    lq: int
+    lk: int
+    d: int
+    dv: int
+    layout: str  # bhld | blhd | merged
+    product: str  # matmul | mT | permute | einsum | bmm
+    scale: str  # none | mul | div | q | qk
+    masks: list
+    softmax: str  # F | method | torch | f32
+    dropout: str  # none | eval
+    gqa: str  # none | repeat_interleave | repeat_kv
+    pv: str  # matmul | einsum | bmm
+    variant: str = "none"  # a mutant, a positive extra, or none
+
+    @property
+    def mutant(self) -> bool:
+        return self.variant in MUTANTS
+
+    def describe(self) -> str:
+        masks = " then ".join(f"{m.kind}:{m.spelling}({m.value:g})" for m in self.masks) or "no mask"
+        return (f"seed={self.seed} {str(self.dtype)[6:]} B{self.b} H{self.h}/{self.hkv} Lq{self.lq} Lk{self.lk} "
+                f"D{self.d} Dv{self.dv} {self.layout} {self.product} scale={self.scale} [{masks}] "
+                f"softmax={self.softmax} dropout={self.dropout} gqa={self.gqa} pv={self.pv} variant={self.variant}")
+
+
+def make_case(seed: int) -> Case:
+    r = random.Random(seed)
+    layout = r.choice(["bhld", "bhld", "blhd", "merged"])
+    merged = layout == "merged"
+    gqa = "none" if merged else r.choice(["none", "none", "repeat_interleave", "repeat_kv"])
+    h = r.choice([1, 2, 4])
+    hkv = h if gqa == "none" or h == 1 else r.choice([d for d in (1, 2) if h % d == 0 and d < h])
+    if hkv == h:
+        gqa = "none"
+    lq = r.choice([1, 2, 4, 5, 8])
+    lk = r.choice([lq, lq, 1, 3, 7])
+    kinds = ["causal", "pad", "rand", "bias"] if not merged else ["causal", "rand", "bias"]
+    masks = []
+    for _ in range(r.choice([0, 1, 2, 2, 2, 3])):
+        kind = r.choice(kinds)
+        if kind == "bias":
+            masks.append(MaskStep("bias", "add", 0.0))
+            continue
+        spellings = ["fill_not_tril", "fill_triu", "where", "add"] if kind == "causal" else ["fill", "where", "add"]
+        spelling = r.choice(spellings)
+        values = [-math.inf, FMIN32] if spelling == "add" else [-math.inf, FMIN32, -1e9, -1e4]
+        masks.append(MaskStep(kind, spelling, r.choice(values)))
+    variant = "none"
+    u = r.random()
+    if seed % 4 == 3:  # one case in four is a mutant, each kind once in 4 * len(MUTANTS) seeds
+        variant = MUTANTS[(seed // 4) % len(MUTANTS)]
+        if variant in ("fill_zero", "mul_mask") and not any(m.kind in ("pad", "rand") for m in masks):
+            masks.append(MaskStep(r.choice(kinds[1:2]), "fill", -math.inf))  # the mutant changes a bool mask's use
+    elif u < 0.15:
+        variant = r.choice(POSITIVE_EXTRAS)
+    return Case(
+        seed=seed, dtype=torch.float64 if r.random() < 1 / 6 else torch.float32,
+        b=r.choice([1, 2]), h=h, hkv=hkv, lq=lq, lk=lk, d=r.choice([16, 32]), dv=r.choice([16, 24]),
+        layout=layout, product="bmm" if merged else r.choice(["matmul", "mT", "permute", "einsum"]),
+        scale=r.choice(["none", "mul", "div", "div", "q", "qk"]), masks=masks,
+        softmax=r.choice(["F", "method", "torch", "f32"]), dropout=r.choice(["none", "none", "eval"]),
+        gqa=gqa, pv="bmm" if merged else r.choice(["matmul", "matmul", "einsum"]), variant=variant,
+    )
+
+
+# ------------------------------------------------------------------------------------------ module
+
+
+class FuzzModule(nn.Module):
+    def __init__(self, case: Case):
+        super().__init__()
+        self.case = case
+        g = torch.Generator().manual_seed(case.seed)
+        self.biases = nn.ParameterList()
+        for m in case.masks:
+            if m.kind == "bias":
+                shape = (case.lq, case.lk) if case.layout == "merged" else (1, case.h, case.lq, case.lk)
+                self.biases.append(nn.Parameter((torch.randn(*shape, generator=g) * 0.5).to(case.dtype)))
+        self.safe = False  # aten._safe_softmax instead of softmax: the reference for NaN gradients
+
+    def _softmax(self, x, dim):
+        c = self.case
+        if self.safe:
+            p = torch.ops.aten._safe_softmax(x.float() if c.softmax == "f32" else x, dim)
+            return p.to(x.dtype) if c.softmax == "f32" else p
+        if c.variant == "log_softmax":
+            return F.log_softmax(x, dim=dim)
+        if c.softmax == "F":
+            return F.softmax(x, dim=dim)
+        if c.softmax == "method":
+            return x.softmax(dim)
+        if c.softmax == "torch":
+            return torch.softmax(x, dim=dim)
+        return F.softmax(x, dim=dim, dtype=torch.float32).to(x.dtype)
+
+    def _mask(self, x, m: MaskStep, pad_keep, rand_keep, bias):
+        c = self.case
+        lq, lk = x.shape[-2], x.shape[-1]
+        value = torch.finfo(x.dtype).min if m.value == FMIN32 else m.value
+        if m.kind == "bias":
+            return x + bias
+        if m.kind == "causal":
+            if m.spelling == "fill_not_tril":
+                return x.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=x.device).tril(), value)
+            if m.spelling == "fill_triu":
+                return x.masked_fill(torch.ones(lq, lk, device=x.device).triu(1).bool(), value)
+            if m.spelling == "where":
+                keep = torch.arange(lk, device=x.device)[None, :] <= torch.arange(lq, device=x.device)[:, None]
+                return torch.where(keep, x, value)
+            return x + torch.full((lq, lk), value, dtype=x.dtype, device=x.device).triu(1)
+        keep = pad_keep if m.kind == "pad" else rand_keep
+        if c.variant == "fill_zero":
+            return x.masked_fill(~keep, 0.0)
+        if c.variant == "mul_mask":
+            return x * keep.to(x.dtype)
+        if m.spelling == "fill":
+            return x.masked_fill(~keep, value)
+        if m.spelling == "where":
+            return torch.where(keep, x, value)
+        return x + torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, value)
+
+    def forward(self, q, k, v, pad_keep, rand_keep):
+        c = self.case
+        if c.layout == "blhd":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if c.gqa != "none":
+            n = c.h // c.hkv
+            if c.gqa == "repeat_interleave":
+                k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
+            else:
+                b, hk, lk, _ = k.shape
+                k = k[:, :, None].expand(b, hk, n, lk, k.shape[-1]).reshape(b, hk * n, lk, k.shape[-1])
+                v = v[:, :, None].expand(b, hk, n, lk, v.shape[-1]).reshape(b, hk * n, lk, v.shape[-1])
+        s = 1.0 / math.sqrt(c.d)
+        if c.scale == "q":
+            q = q * s
+        elif c.scale == "qk":
+            q, k = q * math.sqrt(s), k * math.sqrt(s)
+        if c.product == "matmul":
+            x = torch.matmul(q, k.transpose(-2, -1))
+        elif c.product == "mT":
+            x = q @ k.mT
+        elif c.product == "permute":
+            x = q @ k.permute(0, 1, 3, 2)
+        elif c.product == "einsum":
+            x = torch.einsum("bhqd,bhkd->bhqk", q, k)
+        else:
+            x = torch.bmm(q, k.transpose(1, 2))
+        if c.scale == "mul":
+            x = x * s
+        elif c.scale == "div":
+            x = x / math.sqrt(c.d)
+        scores = x
+        biases = iter(self.biases)
+        for m in c.masks:
+            x = self._mask(x, m, pad_keep, rand_keep, next(biases) if m.kind == "bias" else None)
+        p = self._softmax(x, -2 if c.variant == "softmax_dim" else -1)
+        if c.variant == "weights_scaled":
+            p = p * 2.0
+        elif c.variant == "weights_pow":
+            p = p.pow(2)
+        elif c.variant == "weights_flip":
+            p = p.flip(-1)
+        elif c.variant == "weights_shift":
+            p = p + 0.01
+        if c.dropout == "eval":
+            p = F.dropout(p, 0.1, training=False)
+        if c.pv == "einsum":
+            out = torch.einsum("bhqk,bhkd->bhqd", p, v)
+        elif c.pv == "bmm":
+            out = torch.bmm(p, v)
+        else:
+            out = torch.matmul(p, v)
+        if c.layout == "blhd":
+            out = out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+        if c.variant == "weights_used":
+            return out, p.sum(-1)
+        if c.variant == "scores_used":
+            return out, scores.mean(-1)
+        if c.variant == "v_used":
+            return out, v.sum(-2)
+        if c.variant == "q_used":
+            return out, q.mean(-1)
+        return out
+
+
+def make_inputs(case: Case):
+    """q, k, v (leaf tensors that require grad), the key padding keep mask (B, 1, 1, Lk) (left
+    padding: batch 0 pads its first keys, so with a causal mask its first query rows are dead) and
+    a random (B, 1, Lq, Lk) keep mask (3-D: (Lq, Lk)) with a row masked everywhere."""
+    g = torch.Generator().manual_seed(case.seed + 1)
+    if case.layout == "merged":
+        shapes = [(case.b * case.h, case.lq, case.d), (case.b * case.h, case.lk, case.d), (case.b * case.h, case.lk, case.dv)]
+    else:
+        hk = case.hkv
+        shapes = [(case.b, case.h, case.lq, case.d), (case.b, hk, case.lk, case.d), (case.b, hk, case.lk, case.dv)]
+        if case.layout == "blhd":
+            shapes = [(s[0], s[2], s[1], s[3]) for s in shapes]
+    q, k, v = (torch.randn(*s, generator=g).to(case.dtype).requires_grad_() for s in shapes)
+    pad = torch.ones(case.b, 1, 1, case.lk, dtype=torch.bool)
+    pad[0, ..., : torch.randint(0, case.lk + 1, (), generator=g).item()] = False  # left padding
+    if case.b > 1:
+        pad[1, ..., case.lk - torch.randint(0, case.lk, (), generator=g).item():] = False  # right padding
+    shape = (case.lq, case.lk) if case.layout == "merged" else (case.b, 1, case.lq, case.lk)
+    rand = torch.rand(*shape, generator=g) > 0.35
+    if case.lq > 1:
+        rand[..., torch.randint(0, case.lq, (), generator=g).item(), :] = False
+    return q, k, v, pad, rand
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+@dataclass
+class Result:
+    case: Case
+    fused: int
+    misses: list
+    wrong: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
+    """‖a − b‖ / ‖b‖, with ‖b‖ counted as at least `floor` per element (RMS): a gradient that is
+    exactly 0 in eager (one key, or rows the fills cover) and ~1e-6 from a kernel's rounding is
+    not a wrong result."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(floor * max(b.numel(), 1) ** 0.5)).item()
+
+
+def _clone_inputs(inputs):
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in inputs]
+
+
+def _grads(module, inputs):
+    return [t.grad for t in inputs[:3]] + [p.grad for p in module.parameters()]
+
+
+def run_case(case: Case) -> Result:
+    import copy
+
+    from torch._dynamo.backends.common import aot_autograd
+    from functorch.compile import make_boxed_func
+
+    from fuse_plugin.patterns import Report, rewrite
+
+    t0 = time.perf_counter()
+    report = Report()
+    inductor = os.environ.get("FUSE_PLUGIN_FUZZ_BACKEND", "aot_eager") == "inductor"
+
+    def backend(gm, example_inputs):
+        if inductor:
+            from fuse_plugin.backend import fuse_plugin_backend
+
+            report.extend(rewrite(copy.deepcopy(gm)))  # what the backend's own rewrite will do
+            return fuse_plugin_backend(gm, example_inputs)
+        report.extend(rewrite(gm))
+        compiler = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
+        return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, example_inputs)
+
+    eager = FuzzModule(case)
+    ours_m, safe_m = copy.deepcopy(eager), copy.deepcopy(eager)
+    safe_m.safe = True
+    inputs = list(make_inputs(case))
+    ours_in, safe_in = _clone_inputs(inputs), _clone_inputs(inputs)
+    torch._dynamo.reset()
+    ref = eager(*inputs)
+    out = torch.compile(ours_m, backend=backend)(*ours_in)
+    safe = safe_m(*safe_in)
+    refs, outs, safes = (x if isinstance(x, tuple) else (x,) for x in (ref, out, safe))
+    res = Result(case, report.count("attention"), [m.reason for m in report.misses if m.kind == "attention"])
+    # float64 to 1e-10, unless eager's softmax runs in float32 (softmax(dtype=float32))
+    tol_out, tol_grad = (1e-10, 1e-9) if case.dtype == torch.float64 and case.softmax != "f32" else (1e-5, 1e-4)
+    floor = 0.1  # RMS of an output or gradient counted as at least this (float32: absolute 1e-5 near 0)
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        if o.shape != r.shape or o.dtype != r.dtype:
+            res.wrong.append(f"output {i}: {tuple(o.shape)} {o.dtype}, eager {tuple(r.shape)} {r.dtype}")
+            continue
+        if not torch.equal(o.isnan(), r.isnan()):
+            res.wrong.append(f"output {i}: NaN at {int(o.isnan().sum())} places, eager at {int(r.isnan().sum())}")
+        err = _rel(o.nan_to_num(), r.nan_to_num(), floor)
+        if err > tol_out:
+            res.wrong.append(f"output {i}: rel err {err:.2e}")
+    g = torch.Generator().manual_seed(case.seed + 2)
+    grads = [torch.randn(r.shape, generator=g).to(r.dtype) for r in refs]
+    torch.autograd.backward(refs, grads)
+    torch.autograd.backward(outs, grads)
+    torch.autograd.backward(safes, grads)
+    names = ["dq", "dk", "dv"] + [f"d(bias {i})" for i in range(len(list(eager.parameters())))]
+    for name, a, b, s in zip(names, _grads(eager, inputs), _grads(ours_m, ours_in), _grads(safe_m, safe_in)):
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                res.wrong.append(f"{name}: None in one of eager / compiled")
+            continue
+        # fused: where eager's gradient is NaN, the op's (the dead row adds nothing); unfused: eager's
+        expected = torch.where(a.isnan(), s, a) if res.fused else a
+        if not torch.equal(b.isnan(), expected.isnan()):
+            res.wrong.append(f"{name}: NaN at {int(b.isnan().sum())} places, expected at {int(expected.isnan().sum())}")
+        err = _rel(b.nan_to_num(), expected.nan_to_num(), floor)
+        if err > tol_grad:
+            res.wrong.append(f"{name}: rel err {err:.2e}")
+    if case.mutant and res.fused:
+        res.wrong.append(f"mutant {case.variant} was fused ({res.fused} site(s))")
+    torch._dynamo.reset()
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def run_many(seeds, log=print) -> dict:
+    """Run the cases of `seeds`; a summary dict (cases, fused, mutants, wrong results, seconds)."""
+    t0 = time.perf_counter()
+    results = [run_case(make_case(s)) for s in seeds]
+    wrong = [r for r in results if r.wrong]
+    for r in wrong:
+        log(f"WRONG {r.case.describe()}: {'; '.join(r.wrong)}")
+    mutants = [r for r in results if r.case.mutant]
+    positives = [r for r in results if not r.case.mutant]
+    summary = dict(
+        cases=len(results),
+        positives=len(positives),
+        positives_fused=sum(r.fused > 0 for r in positives),
+        mutants=len(mutants),
+        mutants_untouched=sum(r.fused == 0 for r in mutants),
+        wrong=len(wrong),
+        seconds=round(time.perf_counter() - t0, 1),
+    )
+    reasons: dict = {}
+    for r in positives:
+        if not r.fused:
+            for m in r.misses:
+                reasons[m] = reasons.get(m, 0) + 1
+    summary["refusals"] = reasons
+    return summary
+
+
+if __name__ == "__main__":  # python tests/fuzz_attention.py [N] [first seed]
+    import sys
+
+    import fuse_plugin  # noqa: F401
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else int(os.environ.get("FUSE_PLUGIN_FUZZ", "500"))
+    first = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    print(run_many(range(first, first + n)))
