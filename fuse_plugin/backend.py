@@ -12,6 +12,9 @@ import torch
 from . import autopatch, settings
 from .patterns import rewrite
 
+NAME = "fuse_plugin"
+_ENTRY_POINT_GROUP = "torch_dynamo_backends"
+
 
 def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None, options: dict[str, Any] | None = None):
     from torch._inductor import list_mode_options
@@ -32,3 +35,31 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
     # The graph is rewritten already: keep the automatic pre-grad pass from running again.
     with autopatch.suppressed():
         return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def _entry_point_declared() -> bool:
+    """Does an installed distribution declare `fuse_plugin` in the `torch_dynamo_backends` group?
+    (`pip install` of this package does, through pyproject.toml; a source tree on PYTHONPATH does not.)"""
+    from importlib.metadata import entry_points
+
+    try:
+        return NAME in entry_points(group=_ENTRY_POINT_GROUP).names
+    except Exception:  # a broken distribution's metadata: treat as absent, we register ourselves
+        return False
+
+
+def register_name() -> None:
+    """Make `backend="fuse_plugin"` resolve when the package was imported without its entry point
+    (a source tree on PYTHONPATH, a vendored copy).
+
+    Dynamo's registry (torch/_dynamo/backends/registry.py, the same on torch 2.11 and 2.13) keeps
+    names in `_BACKENDS` (name -> entry point or None) and loaded functions in `_COMPILER_FNS`;
+    `register_backend` raises "duplicate name" for a name already loaded, and `lookup_backend` calls
+    `register_backend(entry_point.load(), name)` itself when it resolves an entry point — and that
+    load imports this package. So we register only when no entry point declares the name (else
+    Dynamo's own lookup would find ours loaded and fail on the duplicate), and never twice."""
+    from torch._dynamo.backends import registry
+
+    if NAME in registry._COMPILER_FNS or _entry_point_declared():
+        return
+    registry.register_backend(compiler_fn=fuse_plugin_backend, name=NAME)
