@@ -1,7 +1,8 @@
 """The named backend: `torch.compile(model, backend="fuse_plugin")`.
 
 Rewrites the Dynamo graph (before AOTAutograd, so the ops' registered autograd gives training),
-then hands it to Inductor's `compile_fx` with the usual `mode=` / `options=` of the inductor backend.
+then hands it to Inductor's `compile_fx` with the usual `mode=` / `options=` of the inductor backend,
+with Inductor's own attention patterns off (inductor_attention.py).
 """
 from __future__ import annotations
 
@@ -26,12 +27,20 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
     config_patches.update(options or {})
     if settings.rewrite_enabled():
         rewrite(gm)
-    if "pre_grad_custom_pass" not in config_patches and not autopatch.installed():
-        # Our pass (idle here, see below) carries the cache key of our code and settings, which
-        # Inductor's and AOTAutograd's caches must see even with the automatic patch off.
-        from torch._inductor import config
+    from torch._inductor import config
 
-        config_patches["pre_grad_custom_pass"] = autopatch.FusePluginPass(config.pre_grad_custom_pass)
+    from .inductor_attention import AttentionGatePass
+
+    # Our pre-grad pass (idle here, see below) carries the cache key of our code and settings, which
+    # Inductor's and AOTAutograd's caches must see even with the automatic patch off, and it marks
+    # the compile as ours (inductor_attention.owns_attention); a pass the user gave runs after it.
+    pre_grad = config_patches.get("pre_grad_custom_pass", config.pre_grad_custom_pass)
+    if not isinstance(pre_grad, autopatch.FusePluginPass):
+        config_patches["pre_grad_custom_pass"] = autopatch.FusePluginPass(pre_grad)
+    # Inductor's own attention patterns stay off in this compile (what we left is not attention).
+    joint = config_patches.get("joint_custom_pre_pass", config.joint_custom_pre_pass)
+    if not isinstance(joint, AttentionGatePass):
+        config_patches["joint_custom_pre_pass"] = AttentionGatePass(joint)
     # The graph is rewritten already: keep the automatic pre-grad pass from running again.
     with autopatch.suppressed():
         return compile_fx(gm, example_inputs, config_patches=config_patches)
