@@ -13,6 +13,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,8 @@ class FusePluginPass(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module if isinstance(graph, fx.Graph) else graph
-        if settings.rewrite_enabled() and not getattr(_suppress, "on", False) and gm is not None:
+        if (settings.rewrite_enabled() and not getattr(_suppress, "on", False) and gm is not None
+                and not _inductor_subgraph_call()):
             from .patterns import rewrite
 
             rewrite(gm)
@@ -68,6 +70,21 @@ class FusePluginPass(CustomGraphPass):
                 return None  # an un-hashable chained pass: no caching, as Inductor would do
             parts.append(repr(u))
         return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def _inductor_subgraph_call() -> bool:
+    """Is Inductor running the pre-grad passes on a subgraph of a higher-order op? torch 2.13's
+    `_recursive_pre_grad_passes` (compile_fx.py) calls them on each subgraph first, then on the root.
+    The root's rewrite walks the subgraphs itself, knowing which op holds each (a `cond` branch in
+    training must be left alone, see patterns/__init__.py), so a call on a subgraph does nothing.
+    Two frames of that function on the stack mean a subgraph; a torch without it: never."""
+    depth, frame = 0, sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_recursive_pre_grad_passes" and code.co_filename.endswith("compile_fx.py"):
+            depth += 1
+        frame = frame.f_back
+    return depth >= 2
 
 
 def installed() -> bool:

@@ -24,7 +24,11 @@ import fuse_plugin
 from fuse_plugin.ops import reference
 from helpers import rel_err, rewrite_aot_eager
 
-BACKENDS = [pytest.param(rewrite_aot_eager, id="aot_eager"), pytest.param("fuse_plugin", id="inductor")]
+# our rewrite + aot_eager; the named backend (Inductor); plain torch.compile with the automatic patch,
+# where Inductor runs the pre-grad pass on each subgraph too (torch 2.13): the pass leaves those
+# calls alone and the root's rewrite walks the subgraphs (autopatch._inductor_subgraph_call)
+BACKENDS = [pytest.param(rewrite_aot_eager, id="aot_eager"), pytest.param("fuse_plugin", id="inductor"),
+            pytest.param("inductor", id="autopatch")]
 
 
 def attn(q, k, v):
@@ -56,6 +60,7 @@ def seeds(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def fresh():
+    fuse_plugin.install()  # the "autopatch" runs need it (idempotent)
     counters.clear()
     torch._dynamo.reset()
     with torch._inductor.config.patch(force_disable_caches=True):
@@ -198,9 +203,11 @@ def test_cond_in_training_is_left_alone_and_says_why(seeds):
     def fn(pred, q, k, v):
         return torch.cond(pred, attn, softmax_over_queries, (q, k, v))
 
-    got, want = train_step(fn, rewrite_aot_eager, inputs(), torch.tensor(True))
-    assert counters["fuse_plugin"]["attention"] == 0 and not seeds
-    assert_close(got, want)
+    for backend in (rewrite_aot_eager, "inductor"):  # "inductor": the automatic patch
+        torch._dynamo.reset()
+        got, want = train_step(fn, backend, inputs(), torch.tensor(True))
+        assert counters["fuse_plugin"]["attention"] == 0 and not seeds
+        assert_close(got, want)
     report = fuse_plugin.explain(fn, torch.tensor(True), *[t.requires_grad_() for t in inputs()])
     assert not report.sites and [m.kind for m in report.misses] == ["subgraph"]
     assert "cond in training" in report.misses[0].reason
