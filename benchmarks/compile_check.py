@@ -26,6 +26,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
+import common  # noqa: E402,F401  (puts the source tree on sys.path)
 import fuse_plugin.kernels.attention as A  # noqa: E402
 
 KERNELS = ["attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_tma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",

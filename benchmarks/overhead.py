@@ -27,6 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import common  # noqa: E402,F401  (puts the source tree on sys.path)
 import fuse_plugin  # noqa: F401
 
 OPS = torch.ops.fuse_plugin

@@ -2,7 +2,8 @@
 subgraphs with fused custom ops (Triton kernels on CUDA).
 
 Three ways in:
-  torch.compile(model, backend="fuse_plugin")      # the named backend (entry point)
+  torch.compile(model, backend="fuse_plugin")      # the named backend (entry point, or registered
+                                                    # by `import fuse_plugin` where there is none)
   import fuse_plugin; torch.compile(model)          # automatic patch (FUSE_PLUGIN_AUTOPATCH=0 opts out)
   fuse_plugin.explain(model, *inputs)               # what would be fused, and why not
 """
@@ -29,5 +30,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 from .autopatch import install_from_env as _install_from_env
+from .backend import register_name as _register_name
 
 _install_from_env()
+_register_name()  # backend="fuse_plugin" without the entry point (source tree on PYTHONPATH)

@@ -1,7 +1,8 @@
 """The named backend: `torch.compile(model, backend="fuse_plugin")`.
 
 Rewrites the Dynamo graph (before AOTAutograd, so the ops' registered autograd gives training),
-then hands it to Inductor's `compile_fx` with the usual `mode=` / `options=` of the inductor backend.
+then hands it to Inductor's `compile_fx` with the usual `mode=` / `options=` of the inductor backend,
+with Inductor's own attention patterns off (inductor_attention.py).
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import torch
 
 from . import autopatch, settings
 from .patterns import rewrite
+
+NAME = "fuse_plugin"
+_ENTRY_POINT_GROUP = "torch_dynamo_backends"
 
 
 def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode: str | None = None, options: dict[str, Any] | None = None):
@@ -23,12 +27,48 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
     config_patches.update(options or {})
     if settings.rewrite_enabled():
         rewrite(gm)
-    if "pre_grad_custom_pass" not in config_patches and not autopatch.installed():
-        # Our pass (idle here, see below) carries the cache key of our code and settings, which
-        # Inductor's and AOTAutograd's caches must see even with the automatic patch off.
-        from torch._inductor import config
+    from torch._inductor import config
 
-        config_patches["pre_grad_custom_pass"] = autopatch.FusePluginPass(config.pre_grad_custom_pass)
+    from .inductor_attention import AttentionGatePass
+
+    # Our pre-grad pass (idle here, see below) carries the cache key of our code and settings, which
+    # Inductor's and AOTAutograd's caches must see even with the automatic patch off, and it marks
+    # the compile as ours (inductor_attention.owns_attention); a pass the user gave runs after it.
+    pre_grad = config_patches.get("pre_grad_custom_pass", config.pre_grad_custom_pass)
+    if not isinstance(pre_grad, autopatch.FusePluginPass):
+        config_patches["pre_grad_custom_pass"] = autopatch.FusePluginPass(pre_grad)
+    # Inductor's own attention patterns stay off in this compile (what we left is not attention).
+    joint = config_patches.get("joint_custom_pre_pass", config.joint_custom_pre_pass)
+    if not isinstance(joint, AttentionGatePass):
+        config_patches["joint_custom_pre_pass"] = AttentionGatePass(joint)
     # The graph is rewritten already: keep the automatic pre-grad pass from running again.
     with autopatch.suppressed():
         return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def _entry_point_declared() -> bool:
+    """Does an installed distribution declare `fuse_plugin` in the `torch_dynamo_backends` group?
+    (`pip install` of this package does, through pyproject.toml; a source tree on PYTHONPATH does not.)"""
+    from importlib.metadata import entry_points
+
+    try:
+        return NAME in entry_points(group=_ENTRY_POINT_GROUP).names
+    except Exception:  # a broken distribution's metadata: treat as absent, we register ourselves
+        return False
+
+
+def register_name() -> None:
+    """Make `backend="fuse_plugin"` resolve when the package was imported without its entry point
+    (a source tree on PYTHONPATH, a vendored copy).
+
+    Dynamo's registry (torch/_dynamo/backends/registry.py, the same on torch 2.11 and 2.13) keeps
+    names in `_BACKENDS` (name -> entry point or None) and loaded functions in `_COMPILER_FNS`;
+    `register_backend` raises "duplicate name" for a name already loaded, and `lookup_backend` calls
+    `register_backend(entry_point.load(), name)` itself when it resolves an entry point — and that
+    load imports this package. So we register only when no entry point declares the name (else
+    Dynamo's own lookup would find ours loaded and fail on the duplicate), and never twice."""
+    from torch._dynamo.backends import registry
+
+    if NAME in registry._COMPILER_FNS or _entry_point_declared():
+        return
+    registry.register_backend(compiler_fn=fuse_plugin_backend, name=NAME)

@@ -157,3 +157,84 @@ def test_torch_logs_shows_the_rewrite():
     r = run_python(code, TORCH_LOGS="+fuse_plugin")
     assert r.returncode == 0, r.stderr
     assert "fused attention" in r.stderr
+
+
+# --- the backend name without the entry point (a source tree on PYTHONPATH, no pip install) ---
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_COMPILE_BY_NAME = """
+import sys, torch
+from importlib.metadata import entry_points
+print("entry_point", "fuse_plugin" in entry_points(group="torch_dynamo_backends").names)
+IMPORT
+from torch._dynamo.utils import counters
+def f(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / 4.0, dim=-1) @ v
+q, k, v = [torch.randn(1, 2, 5, 16) for _ in range(3)]
+out = torch.compile(f, backend="fuse_plugin")(q, k, v)
+print("fused", counters["fuse_plugin"]["attention"], "close", torch.allclose(out, f(q, k, v), atol=1e-5))
+import fuse_plugin
+print("from", fuse_plugin.__file__.startswith(sys.argv[1]))
+"""
+
+
+def _without_entry_point(tmp_path) -> dict:
+    """An environment where no installed distribution declares the entry point: a `fuse-plugin`
+    dist-info without entry_points.txt first on sys.path shadows the installed one (importlib.metadata
+    keeps the first distribution of a name), as in a source tree whose package was never installed."""
+    dist = tmp_path / "fuse_plugin-0.0.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fuse-plugin\nVersion: 0.0.0\n")
+    path = os.pathsep.join([str(tmp_path), _ROOT])
+    return {"PYTHONPATH": path, "FUSE_PLUGIN_AUTOPATCH": "0"}
+
+
+def test_import_registers_the_backend_name_without_the_entry_point(tmp_path):
+    code = _COMPILE_BY_NAME.replace("IMPORT", "import fuse_plugin")
+    r = subprocess.run([sys.executable, "-c", code, _ROOT], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **_without_entry_point(tmp_path)}, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["entry_point", "False", "fused", "1", "close", "True", "from", "True"], r.stdout
+
+
+def test_without_the_entry_point_and_without_import_the_name_is_unknown(tmp_path):
+    """The near miss: nothing registers the name unless the package is imported."""
+    code = _COMPILE_BY_NAME.replace("IMPORT", "")
+    r = subprocess.run([sys.executable, "-c", code, _ROOT], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **_without_entry_point(tmp_path)}, cwd=tmp_path)
+    assert r.returncode != 0 and "InvalidBackend" in r.stderr, (r.stdout, r.stderr[-2000:])
+
+
+def test_entry_point_and_import_do_not_clash():
+    """With the entry point installed: resolving the name loads the entry point, which imports the
+    package (whose import must then not register the name, or Dynamo's registry would raise
+    "duplicate name"); and importing first, then resolving, also works."""
+    code = _COMPILE_BY_NAME.replace("IMPORT", "")
+    r = run_python(code.replace("sys.argv[1]", repr(_ROOT)), PYTHONPATH=_ROOT)
+    if "entry_point False" in r.stdout:
+        pytest.skip("the package is not pip-installed here: no entry point to clash with")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "fused 1 close True" in r.stdout, r.stdout
+    code = _COMPILE_BY_NAME.replace("IMPORT", "import fuse_plugin")
+    r = run_python(code.replace("sys.argv[1]", repr(_ROOT)), PYTHONPATH=_ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "fused 1 close True" in r.stdout, r.stdout
+
+
+def test_demo_runs_from_a_source_tree_without_the_entry_point(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fuse_plugin", "demo", "--seq", "8", "--batch", "1"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, **_without_entry_point(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "2 attention" in r.stdout and "(OK, tolerance" in r.stdout, r.stdout[-2000:]
+
+
+def test_benchmarks_import_this_tree_from_a_source_tree(tmp_path):
+    """`python benchmarks/<script>.py` without PYTHONPATH and without the entry point: common.py puts
+    the tree on sys.path (imports only: `--help` exits after the imports and the argument parser)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(_without_entry_point(tmp_path), PYTHONPATH=str(tmp_path))
+    r = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", "shapes.py"), "--help"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert r.returncode == 0 and "usage" in r.stdout, r.stderr[-3000:]

@@ -24,6 +24,7 @@ class Site:
     kind: str  # "attention" | "rotary" | "rope_attention" (a rotary q+k pair folded into an attention)
     source: str
     detail: str = ""
+    graph: str = ""  # "" at top level, else the subgraph's path, e.g. "wrap_body_0 (tag_activation_checkpoint)"
 
 
 @dataclass
@@ -33,6 +34,7 @@ class Miss:
     kind: str
     source: str
     reason: str
+    graph: str = ""
 
 
 @dataclass
@@ -40,30 +42,43 @@ class Report:
     graphs: int = 0
     sites: list[Site] = field(default_factory=list)
     misses: list[Miss] = field(default_factory=list)
+    walked_subgraphs: int = 0  # higher-order ops' subgraphs rewritten (each once)
+    where: str = ""  # the (sub)graph being rewritten: what replaced()/missed() record as Site.graph
 
     def replaced(self, kind: str, node: fx.Node, detail: str = "") -> None:
-        self.sites.append(Site(kind, source_of(node), detail))
+        self.sites.append(Site(kind, source_of(node), detail, self.where))
 
     def missed(self, kind: str, node: fx.Node, reason: str) -> None:
-        self.misses.append(Miss(kind, source_of(node), reason))
+        self.misses.append(Miss(kind, source_of(node), reason, self.where))
+
+    def subgraphs(self) -> dict[str, int]:
+        """Fused sites per subgraph path (top level left out): what a higher-order op held."""
+        out: dict[str, int] = {}
+        for s in self.sites:
+            if s.graph:
+                out[s.graph] = out.get(s.graph, 0) + 1
+        return out
 
     def count(self, kind: str) -> int:
         return sum(s.kind == kind for s in self.sites)
 
     def extend(self, other: "Report") -> None:
         self.graphs += other.graphs
+        self.walked_subgraphs += other.walked_subgraphs
         self.sites += other.sites
         self.misses += other.misses
 
     def __str__(self) -> str:
-        rows = [("fused", s.kind, s.source, s.detail) for s in self.sites]
-        rows += [("not fused", m.kind, m.source, m.reason) for m in self.misses]
+        # A site inside a higher-order op's subgraph (checkpoint, invoke_subgraph, cond, ...) names it.
+        rows = [("fused", s.kind, s.source + (f"  [in {s.graph}]" if s.graph else ""), s.detail) for s in self.sites]
+        rows += [("not fused", m.kind, m.source + (f"  [in {m.graph}]" if m.graph else ""), m.reason) for m in self.misses]
         folded = self.count("rope_attention")
         head = (
             f"fuse_plugin: {len(self.sites) - folded} site(s) fused "
             f"({self.count('attention')} attention, {self.count('rotary')} rotary"
             + (f"; {folded} rotary q+k pair(s) folded into their attention" if folded else "")
             + f"), {len(self.misses)} near miss(es), in {self.graphs} graph(s)"
+            + (f" and {self.walked_subgraphs} subgraph(s) of higher-order ops" if self.walked_subgraphs else "")
         )
         if not rows:
             return head

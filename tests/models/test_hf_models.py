@@ -326,3 +326,43 @@ def test_attention_dropout_in_training_is_fused_and_repeatable():
     assert torch.equal(runs[0][0], runs[1][0]) and all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
     assert not torch.equal(runs[0][0], runs[2][0])
 
+
+
+@pytest.mark.parametrize("backend", [pytest.param(rewrite_aot_eager, id="aot_eager"), pytest.param("fuse_plugin", id="inductor")])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_trains_fused(reentrant, backend):
+    """`gradient_checkpointing_enable()`: each decoder layer runs under torch.utils.checkpoint, which
+    Dynamo captures as a `tag_activation_checkpoint` subgraph per layer (use_reentrant=True too: no
+    graph break, the same op). Every attention and rotary site inside is fused, and training with
+    padding equals eager (logits and every parameter's gradient)."""
+    family = BY_NAME["llama"]
+    eager = family.make()
+    eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model = copy.deepcopy(eager)
+    eager.train(), model.train()
+    kwargs = _inputs(family, padding=True)
+    torch._dynamo.reset()
+    counters.clear()
+    counting = PerGraphCounts(backend)
+    compiled = torch.compile(model, backend=counting)
+    ref = eager(**kwargs).logits
+    out = compiled(**kwargs).logits
+    assert counting.graphs == [_expected(family)], counting.graphs
+    assert rel_err(out, ref) <= LOGITS_TOL
+    ref.float().square().mean().backward()
+    out.float().square().mean().backward()
+    check_gradients(eager, model)
+
+
+def test_gradient_checkpointing_explain_lists_sites_per_layer():
+    model = BY_NAME["llama"].make()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    report = fuse_plugin.explain(model, **_inputs(BY_NAME["llama"], padding=True))
+    per_layer = report.subgraphs()
+    assert report.walked_subgraphs == 2 and len(per_layer) == 2, str(report)
+    # each layer: its attention (with the rotary q+k pair folded in when rope_attention is on) and rotary
+    for graph, n in per_layer.items():
+        assert "tag_activation_checkpoint" in graph
+        kinds = sorted(s.kind for s in report.sites if s.graph == graph)
+        assert kinds in (["attention", "rope_attention", "rotary", "rotary"], ["attention", "rotary", "rotary"]), kinds
