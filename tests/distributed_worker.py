@@ -11,8 +11,10 @@ processes and importing torch costs more than most scenarios.
 
 The models are tiny Llama-style decoders (embedding → RMSNorm → q/k/v → HF rotate_half RoPE → GQA
 attention with an HF-style additive causal mask → o_proj → gated MLP), fp32, compiled with the
-real backend (`backend="fuse_plugin"`: our rewrite, then Inductor on the CPU). The reference is
-the same model in eager, in one process, on the whole global batch.
+plugin's rewrite and then, by default, AOTAutograd with eager kernels (the graph Inductor would
+get, in seconds); FUSE_PLUGIN_DIST_BACKEND=fuse_plugin compiles with the real backend (Inductor on
+the CPU: about a minute more on 2 cores). The reference is the same model in eager, in one
+process, on the whole global batch.
 """
 from __future__ import annotations
 
@@ -160,18 +162,43 @@ def full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def compile_plugin(model, backend="fuse_plugin"):
-    """torch.compile with the plugin: backend "fuse_plugin" (our rewrite, then Inductor) or
-    "rewrite_aot_eager" (our rewrite, then AOTAutograd with the ops' autograd and eager kernels:
-    the graph Inductor would get, without its C++ compile)."""
+REPORTS: list = []  # the rewrite's Report of every graph compiled since the last compile_plugin
+
+
+def _recording_rewrite(gm):
+    from fuse_plugin.patterns import rewrite
+
+    report = rewrite(gm)
+    REPORTS.append(report)
+    return report
+
+
+def _rewrite_aot_eager(gm, example_inputs):
+    """Our rewrite, then AOTAutograd with eager kernels (as tests/helpers.rewrite_aot_eager)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    _recording_rewrite(gm)
+    compiler = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, example_inputs)
+
+
+def compile_plugin(model, backend):
+    """torch.compile with the plugin. backend "fuse_plugin": the real one (our rewrite, then
+    Inductor, C++ compiles on the CPU: about 10-25 s per model here); "rewrite_aot_eager": our
+    rewrite, then AOTAutograd with the ops' autograd and eager kernels: the graph Inductor would
+    get (DTensor subclasses traced through, the ops on local shards) in a few seconds."""
+    import fuse_plugin.backend
+
     torch._dynamo.reset()
     counters().clear()
+    REPORTS.clear()
+    fuse_plugin.backend.rewrite = _recording_rewrite  # the same rewrite, its reports kept
     if backend == "rewrite_aot_eager":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from helpers import rewrite_aot_eager
-
-        backend = rewrite_aot_eager
-    return torch.compile(model, backend=backend)
+        return torch.compile(model, backend=_rewrite_aot_eager)
+    if backend != "fuse_plugin":
+        raise ValueError(f"FUSE_PLUGIN_DIST_BACKEND must be 'fuse_plugin' or 'rewrite_aot_eager', got {backend!r}")
+    return torch.compile(model, backend="fuse_plugin")
 
 
 def counters():
@@ -181,8 +208,12 @@ def counters():
 
 
 def sites():
+    """Fused sites summed over the compiled graphs, the graphs rewritten, and the near misses."""
     c = counters()
-    return {k: int(c[k]) for k in ("attention", "rotary", "rope_attention")}
+    out = {k: int(c[k]) for k in ("attention", "rotary", "rope_attention")}
+    out["graphs"] = len(REPORTS)
+    out["misses"] = [f"{m.kind}: {m.reason}" for r in REPORTS for m in r.misses]
+    return out
 
 
 def train(fn, params_of, batch_of, ws):
@@ -246,7 +277,7 @@ def scenario_ddp(ctx):
     per = GLOBAL_BATCH // ws
     losses, _ = train(fn, model.parameters, lambda ids: ids[rank * per:(rank + 1) * per], ws)
     facts = compare(losses, None, clean_names(model.named_parameters()), ctx["ref"])
-    facts["sites"] = sites()
+    facts["sites"], facts["backend"] = sites(), ctx["backend"]
     return facts
 
 
@@ -265,7 +296,7 @@ def scenario_fsdp2(ctx):
     per = GLOBAL_BATCH // ws
     losses, _ = train(fn, model.parameters, lambda ids: ids[rank * per:(rank + 1) * per], ws)
     facts = compare(losses, None, clean_names(model.named_parameters()), ctx["ref"])
-    facts["sites"] = sites()
+    facts["sites"], facts["backend"] = sites(), ctx["backend"]
     facts["param_placements"] = sorted({str(p.placements) for p in model.parameters()})
     return facts
 
@@ -350,7 +381,7 @@ def scenario_tp(ctx):
     with RuleLog() as log:
         losses, grads = train(fn, model.parameters, lambda ids: ids, ctx["ws"])
     facts = compare(losses, grads, clean_names(model.named_parameters()), ctx["ref"])
-    facts["sites"] = sites()
+    facts["sites"], facts["backend"] = sites(), ctx["backend"]
     facts["rule_calls"] = log.calls
     return facts
 
@@ -380,9 +411,9 @@ def scenario_hf_tp_eager(ctx):
         parallelize_module(layer, ctx["mesh"], plan)
     ids = global_batch()[0]
     with RuleLog() as log, implicit_replication():
-        logits = ours(ids).logits
+        logits = ours(ids, use_cache=False).logits
         loss_of(logits, ids).backward()
-    expected = ref(ids).logits
+    expected = ref(ids, use_cache=False).logits
     loss_of(expected, ids).backward()
     grads = {n: rel_err(full(p.grad), q.grad) for (n, p), (_, q) in zip(ours.named_parameters(),
                                                                      ref.named_parameters())}
@@ -523,7 +554,7 @@ def main():
     from torch.distributed.device_mesh import init_device_mesh
 
     ctx = {"rank": rank, "ws": ws, "mesh": init_device_mesh("cpu", (ws,)), "ref": reference_run(),
-           "backend": os.environ.get("FUSE_PLUGIN_DIST_BACKEND", "fuse_plugin")}
+           "backend": os.environ.get("FUSE_PLUGIN_DIST_BACKEND", "rewrite_aot_eager")}
     results = {}
     for name in names:
         try:
