@@ -187,3 +187,18 @@ def test_every_op_has_a_sharding_rule():
 
     ops = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("fuse_plugin::"))
     assert len(ops) >= 10 and sorted(registered_ops()) == ops
+
+
+def test_benchmark_script_imports_and_parses_on_the_cpu():
+    """benchmarks/distributed.py (GPU: FSDP2/TP vs one GPU) imports without CUDA; its defaults are
+    the ones its docstring and the README promise."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "distributed.py")
+    spec = importlib.util.spec_from_file_location("benchmark_distributed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = mod.parse_args([])
+    assert (args.layers, args.seq, args.batch, args.steps, args.cpu) == (4, 1024, 4, 20, False)
+    smoke = mod.parse_args(["--cpu"])
+    assert smoke.cpu and (smoke.seq, smoke.batch, smoke.steps) == (32, 2, 4)

@@ -125,8 +125,8 @@ class _Rule:
         if self.dropout_arg is not None and values.get(self.dropout_arg, 0.0) and sharded:
             raise ShardingError(
                 f"fuse_plugin::{self.op}: dropout_p={values[self.dropout_arg]} with the op's {self._mains()} "
-                f"sharded ({self.lead!r} is {tuple(lead.placements)}): dropout needs Replicate() placements (the mask is drawn from the "
-                f"seed and the local indices, so every shard would repeat the same mask)")
+                f"sharded ({self.lead!r} is {tuple(lead.placements)}): dropout needs Replicate() placements (the "
+                f"mask is drawn from the seed and the local indices, so every shard would repeat the same mask)")
         self._check_heads(modes, values, lead.mesh)
         strategies = []
         for mode in dict.fromkeys(modes):  # one strategy per distinct mode
@@ -198,8 +198,8 @@ class _Rule:
         if self.roles[name] == "scalar":
             why = "a seed must be Replicate()"
         elif mode is None:
-            why = (f"the op's {self._mains()} are all Replicate() there, so {name!r} would have to be gathered "
-                   f"in full on every rank")
+            why = (f"the op's {self._mains()} are all Replicate() there, so {name!r} would have to be "
+                   f"communicated (gathered or reduced) in full to every rank")
         else:
             why = (f"the op's {self._mains()} are {self._say(mode)} there, so {name!r} must be {want!r}"
                    + (" as it broadcasts over that dim" if _is_replicate(want) else ""))
