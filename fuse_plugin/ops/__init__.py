@@ -6,9 +6,14 @@
     torch.ops.fuse_plugin.rope_attention / rope_attention_backward   (ops/rope_attention.py)
     torch.ops.fuse_plugin.gluon_attention_forward / _backward      (ops/gluon.py; internal)
 
+Each has a DTensor sharding rule (ops/sharding.py), so the ops also run on DTensors.
+
 Compiled by Inductor, the ops decompose into their kernels' launches (ops/inductor.py).
 """
 from . import attention, gluon, rope_attention, rotary  # noqa: F401  (registration)
 from ._dispatch import cpu_kernels
+from .sharding import register as _register_sharding
+
+_register_sharding()  # DTensor rules for every op above (a no-op without torch.distributed)
 
 __all__ = ["attention", "rotary", "rope_attention", "cpu_kernels"]

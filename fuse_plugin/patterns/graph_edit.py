@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .canon import example_value, writes_an_input
 
@@ -27,15 +28,34 @@ def graph_fake_mode(gm: fx.GraphModule):
     return detect_fake_mode(values) if values else None
 
 
+def fakes(value: Any) -> list:
+    """The fake tensors in `value`: the fake tensors among its leaves, and the inner tensors of a
+    tensor subclass (a DTensor's local shard under tensor parallelism, whose own example value is
+    no FakeTensor but wraps one)."""
+    out = []
+    for t in torch.utils._pytree.tree_leaves(value):
+        if isinstance(t, torch._subclasses.FakeTensor):
+            out.append(t)
+        elif isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            out.extend(fakes([getattr(t, a) for a in attrs]))
+    return out
+
+
+def fake_mode_of(value: Any):
+    """The fake mode of the (first) fake tensor in `value`, or None."""
+    found = fakes(value)
+    return found[0].fake_mode if found else None
+
+
 def evaluate(node: fx.Node, default_mode=None) -> Any:
     """`node` run on its inputs' example values, under the fake mode they belong to (`default_mode`
     when no input is a fake tensor); None when they belong to different fake modes.
 
-    The mode is read off the inputs: a deep-copied graph (`fuse_plugin.explain`) has its own copy,
+    The mode is read off the inputs (inside DTensors too): a deep-copied graph (`fuse_plugin.explain`) has its own copy,
     which is not the tracing context's mode that detect_fake_mode would find first."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), example_value)
-    modes = {id(t.fake_mode): t.fake_mode for t in torch.utils._pytree.tree_leaves((args, kwargs))
-             if isinstance(t, torch._subclasses.FakeTensor)}
+    modes = {id(t.fake_mode): t.fake_mode for t in fakes((args, kwargs))}
     if len(modes) > 1:
         return None
     mode = next(iter(modes.values()), default_mode)
@@ -98,7 +118,7 @@ class NodeBuilder:
         """A call without tensor inputs (e.g. torch.randint). Its example value is made under the
         fake mode of `like`'s example value, so that the nodes using both stay in one mode."""
         value = example_value(like)
-        return self.add("call_function", target, args, kwargs, getattr(value, "fake_mode", None))
+        return self.add("call_function", target, args, kwargs, fake_mode_of(value))
 
     def method(self, name: str, *args) -> fx.Node:
         return self.add("call_method", name, args)
