@@ -20,14 +20,17 @@ gradient). Reported: tokens/s per GPU (global tokens per step / median step time
 compile steps / world size), peak memory per GPU (max allocated over the timed steps), compile
 time (first two steps), and the loss curve of every run next to its 1-GPU reference.
 
-PASS/FAIL: "<mode> ws<N> loss equals the non-distributed loss", per variant: every step's loss
-within a relative 2e-2 of the 1-GPU run's. Why that tolerance: the weights and activations are
-bf16 (unit roundoff 2^-9 = 2e-3); FSDP2 breaks the compiled graph at every layer (its hooks), so
-Inductor fuses and rounds differently than in the one-graph reference, and under TP the matmul
-reductions are split across ranks; those roundings differ by a few ulps per step and compound over
-20 optimizer steps. The sdpa+compile rows show the same drift without the plugin (the noise floor
-of the comparison); a real error (a lost gradient shard, misaligned heads) moves the loss by tens
-of percent within a few steps. In --cpu mode (fp32) the tolerance is 1e-4.
+PASS/FAIL: "<mode> ws<N> loss equals the non-distributed loss", per variant, against its own 1-GPU
+run. On the GPU (bf16): the first 5 steps within a relative 5e-3, and every step within the larger
+of 2e-2 and 1.5x the drift the sdpa+compile variant shows between the same mode and its 1-GPU run
+(in the same launch). Why: the weights and activations are bf16 (unit roundoff 2^-9 = 2e-3);
+FSDP2 breaks the compiled graph at every layer (its hooks), so Inductor fuses and rounds
+differently than in the one-graph reference, and under TP the matmul reductions are split across
+ranks; those roundings differ by a few ulps per step and, at lr 1e-3 on one fixed batch, compound
+into a few percent after ~6 steps for both variants (H100, world size 1: plugin 5.7e-2, sdpa+compile
+6.6e-2 over 20 steps, the first 5 steps within 1.5e-4). A real error (a lost gradient shard,
+misaligned heads) moves the loss by tens of percent within the first steps. In --cpu mode (fp32)
+every step must be within 1e-4.
 
 The default (4 layers of the e2e config, seq 1024, batch 4 per GPU, 20 steps) keeps a world-size-1
 run under ~3 minutes on one H100, mostly compile time; --layers 12 is the e2e model.
@@ -230,6 +233,9 @@ def rel_diff(losses, ref):
     return max(abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses, ref))
 
 
+EARLY_STEPS, EARLY_TOL = 5, 5e-3
+
+
 def report(args, results, tol, device):
     import transformers
 
@@ -256,15 +262,25 @@ def report(args, results, tol, device):
     for s in range(args.steps):
         lines.append(f"| {s} | " + " | ".join(f"{r['losses'][s]:.4f}" for r in results) + " |")
     verdicts = []
+    drift = {r["mode"]: rel_diff(r["losses"], refs["sdpa+compile"]["losses"]) for r in results
+             if r["variant"] == "sdpa+compile" and r["mode"] != "1-GPU" and "sdpa+compile" in refs}
     for r in results:
         ref = refs.get(r["variant"])
         if r["mode"] == "1-GPU" or ref is None:
             continue
         d = rel_diff(r["losses"], ref["losses"])
-        ok = d <= tol
+        early = rel_diff(r["losses"][:EARLY_STEPS], ref["losses"][:EARLY_STEPS])
+        if args.cpu:
+            limit, early_limit, why = tol, tol, f"{tol:.0e}"
+        else:
+            limit = max(tol, 1.5 * drift.get(r["mode"], 0.0))
+            early_limit, why = EARLY_TOL, (f"first {EARLY_STEPS} steps {EARLY_TOL:.0e}, all steps "
+                                           f"{limit:.1e} (max of {tol:.0e} and 1.5x sdpa+compile's drift)")
+        ok = d <= limit and early <= early_limit
         verdicts.append(ok)
         lines.append(f"{'PASS' if ok else 'FAIL'}: {r['mode']} ws{r['ws']} loss equals the non-distributed loss "
-                     f"({r['variant']}): max rel diff {d:.1e} over {args.steps} steps, tolerance {tol:.0e}")
+                     f"({r['variant']}): max rel diff {d:.1e} over {args.steps} steps ({early:.1e} over the "
+                     f"first {EARLY_STEPS}); tolerance {why}")
     if not refs:
         lines.append("(no 1-GPU reference: --no-reference; no PASS/FAIL)")
     return lines, all(verdicts)
