@@ -76,7 +76,7 @@ def summary(gm: fx.GraphModule) -> dict:
     """Kernels launched (name, clones), opaque ops left, and whether outputs are kernel results."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    launches, opaque, cloned_inputs, direct_descriptor_reads = [], [], [], []
+    launches, opaque, cloned_inputs, direct_descriptor_reads, copies = [], [], [], [], []
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -99,12 +99,17 @@ def summary(gm: fx.GraphModule) -> dict:
                     cloned_inputs.append(f"{name}.{c}")
         elif str(n.target).startswith("fuse_plugin."):
             opaque.append(str(n.target))
+        elif n.target is torch.ops.aten.clone.default or (
+                n.target is torch.ops.aten._to_copy.default  # a copy, not a cast
+                and n.kwargs.get("dtype") in (None, n.args[0].meta["val"].dtype)):
+            copies.append(n.name)
     outs = [a for a in fx.node.map_arg(gm.graph.output_node().args[0], lambda x: x)
             if isinstance(a, fx.Node)] if hasattr(gm.graph, "output_node") else []
     empty_outputs = [a.name for a in outs if a.op == "call_function"
                      and a.target is torch.ops.aten.empty.memory_format]
     return dict(launches=launches, opaque=opaque, cloned_inputs=cloned_inputs,
-                empty_outputs=empty_outputs, direct_descriptor_reads=direct_descriptor_reads)
+                empty_outputs=empty_outputs, direct_descriptor_reads=direct_descriptor_reads,
+                copies=copies)
 
 
 def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
@@ -203,8 +208,31 @@ CASES = {
 }
 
 
+def head_merge_case(L: int) -> dict:
+    """A model's use of the op: q/k/v split from one (B, L, 3, H, D) projection, the output's
+    heads merged by transpose + reshape, dout arriving as the merged gradient's view."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    B, H, D = 2, 6, 64
+    qkv, dmerged = fake(mode, B, L, 3, H, D), fake(mode, B, L, H * D)
+
+    def fn(qkv, dmerged):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out, lse = OPS.attention(q, k, v, None, 0.0, False, 0.125)
+        merged = out.transpose(1, 2).reshape(B, L, H * D)
+        dout = dmerged.view(B, L, H, D).transpose(1, 2)
+        dq, dk, dv, _ = OPS.attention_backward(dout, q, k, v, None, out, lse, 0.0, False, 0.125,
+                                               None, False)
+        return merged, torch.stack([dq, dk, dv], 2)
+
+    return summary(trace(fn, qkv, dmerged))
+
+
 def run_case(name: str) -> dict:
     with fake_h100():
+        if name in ("head_merge", "head_merge_tma"):  # TMA: 4000 tokens, over the threshold
+            return head_merge_case(200 if name == "head_merge" else 4000)
         if name == "deterministic":
             with mock.patch.object(torch, "are_deterministic_algorithms_enabled", lambda: True):
                 return summary(attention_case(1, 8, 2, 600, 64))
@@ -267,7 +295,8 @@ if __name__ == "__main__":
     warnings.simplefilter("ignore") if "-v" not in sys.argv else None
     sys.argv = [a for a in sys.argv if a != "-v"]
     names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small",
-                             "d64_n2000_cudagraphs", "chained_tma", "untraceable",
+                             "d64_n2000_cudagraphs", "chained_tma", "head_merge",
+                             "head_merge_tma", "untraceable",
                              "disabled", "export", "symbolic"]
     for name in names:
         try:

@@ -136,7 +136,8 @@ def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False
     if config_bwd is not None:
         cfg_b = attn.AttentionConfig(*config_bwd)
     out, lse = attn.attention_forward(q, k, v, bias_t, is_causal=causal, scale=scale, config=cfg_f)
-    assert out.shape == (B, Hq, Lq, Dv) and out.dtype == dtype and out.is_contiguous()
+    assert out.shape == (B, Hq, Lq, Dv) and out.dtype == dtype
+    assert out.transpose(1, 2).is_contiguous(), f"out must be laid out (B, Lq, Hq, Dv), strides {out.stride()}"
     assert lse.shape == (B, Hq, Lq) and lse.dtype == torch.float32 and lse.is_contiguous()
 
     tol = TOL[dtype]

@@ -15,8 +15,10 @@ Shapes and layouts
   are read as they are). A bool bias keeps True and masks False; a float bias is added in fp32
   after scaling: ``s = (q @ k^T) * scale + bias``.
 * ``is_causal``: top-left aligned (as SDPA): key j is visible to query i iff ``j <= i``.
-* Outputs: ``out`` (B, Hq, Lq, Dv) contiguous in q's dtype, ``lse`` (B, Hq, Lq) fp32 contiguous
-  (natural-log logsumexp of the scaled, biased, masked scores of each row).
+* Outputs: ``out`` (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv) in memory (a
+  transposed view, see ``out_layout``), ``lse`` (B, Hq, Lq) fp32 contiguous (natural-log
+  logsumexp of the scaled, biased, masked scores of each row). ``dout`` is read through its
+  strides (unit last stride).
 * Backward: ``dq``/``dk``/``dv`` contiguous, shaped/typed as q/k/v; optional ``dbias`` is the
   fp32 (B, Hq, Lq, Lk) gradient dS of the scores (the caller reduces it to the bias's shape).
 * Dropout (``dropout_p > 0``, ``dropout_seed`` one int64 on the device): each weight P[b,h,i,j]
@@ -209,6 +211,25 @@ _PAIR_KERNELS = ("two_kernel", "tma_pair")
 def _empty(shape, dtype, device) -> torch.Tensor:
     """Allocation of every kernel output (one hook, so tests can poison it with NaN)."""
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+def out_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, H, L, D) laid out as the forward's output is: (B, L, H, D) in memory, seen
+    transposed (SDPA's flash and cuDNN outputs have the same layout). Models merge the heads
+    with ``out.transpose(1, 2).reshape(B, L, H * D)``, which is then a view: no copy kernel
+    (and its launch) after every attention, and the backward's dout arrives with the same
+    strides, which the Triton kernels read as they are. A copy unless t has it already."""
+    if t.transpose(1, 2).is_contiguous():
+        return t
+    return _contiguous(t.transpose(1, 2)).transpose(1, 2)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``, spelt as the copy op itself (``aten._to_copy``), which, unlike clone,
+    also traces on fake CUDA tensors in a CPU build of torch (tests/inductor_trace.py)."""
+    if t.is_contiguous():
+        return t
+    return torch.ops.aten._to_copy(t, memory_format=torch.contiguous_format)
 
 
 def _block_d(d: int) -> int:
@@ -809,7 +830,12 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
-    out = _empty((B, Hq, Lq, Dv), q.dtype, q.device)
+    # The output buffer, (B, Lq, Hq, Dv) (see ``out_layout``): the general kernel writes it
+    # through the strides of its transpose; the TMA and Gluon kernels write a contiguous
+    # (B, Hq, Lq, Dv) tensor, copied into this layout (the copy the model's head merge would
+    # have made, so none is added; they are picked for large problems only when compiled).
+    out_buf = _empty((B, Lq, Hq, Dv), q.dtype, q.device)
+    out = out_buf.transpose(1, 2)
     lse = _empty((B, Hq, Lq), torch.float32, q.device)
     if B * Hq == 0:
         return out, lse
@@ -827,13 +853,15 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         why_not = tma_checked[0] or _gluon_platform_ineligible(q, k, is_causal)
         if why_not is None and ("gluon", cfg) not in _FAILED_CONFIGS:
             if is_tracing():  # Inductor cannot compile Gluon: its launch stays one opaque op
-                return torch.ops.fuse_plugin.gluon_attention_forward(
+                o, lse = torch.ops.fuse_plugin.gluon_attention_forward(
                     q, k, v, bool(is_causal), float(scale), cfg.block_m, cfg.block_n,
                     cfg.num_stages, cfg.kernel)
+                return out_layout(o), lse
             try:
-                gluon_fwd.launch_forward_gluon(q, k, v, out, lse, is_causal, scale,
+                o = _empty((B, Hq, Lq, Dv), q.dtype, q.device)
+                gluon_fwd.launch_forward_gluon(q, k, v, o, lse, is_causal, scale,
                                                _gluon_variant(cfg))
-                return out, lse
+                return out_layout(o), lse
             except OutOfResources as e:
                 if user_given:
                     raise
@@ -848,9 +876,10 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         why_not = tma_checked[0] if tma_checked else \
             _tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv, is_causal=is_causal)
         if why_not is None:
-            _launch(lambda c: _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, c), cfg,
+            o = _empty((B, Hq, Lq, Dv), q.dtype, q.device)
+            _launch(lambda c: _launch_fwd_tma(q, k, v, o, lse, is_causal, scale, c), cfg,
                     user_given, "tma")
-            return out, lse
+            return out_layout(o), lse
         if user_given:
             raise ValueError(f"config {cfg} asks for the TMA forward kernel, but {why_not}")
         # A TMA table entry for a problem it does not cover (dropout, rope, a layout): the
@@ -872,7 +901,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
                             + _table_tiles(scq, sck, bm, bn, cos.shape[-1]))
         grid = (_cdiv(Lq, bm) * B * Hq,)
         launch(
-            attention_fwd_kernel, grid, q, k, v, bias_t, out, lse, cos, sin,
+            attention_fwd_kernel, grid, q, k, v, bias_t, out_buf, lse, cos, sin,
             *q.stride(), *k.stride(), *v.stride(), *sb, *out.stride(), *lse.stride(), *scq, *sck,
             Hq, Hq // Hkv, Lq, Lk, _score_scale(kind, scale), seed, drop_thresh, inv_keep, D, Dv,
             IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, SCALE_POS=bool(scale >= 0),
@@ -884,7 +913,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         )
 
     _launch(run_general, cfg, user_given, "rope" if rc["ROT"] else None)
-    return out, lse
+    return out_buf.transpose(1, 2), lse  # (traced: the view of the buffer as written)
 
 
 def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale: float,
@@ -900,7 +929,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     summed."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    dout = dout.contiguous()
+    dout = _unit_last_stride(dout)  # the forward's layout (out_layout): read by its strides
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
     if tuple(dout.shape) != (B, Hq, Lq, Dv) or tuple(out.shape) != (B, Hq, Lq, Dv) \
@@ -952,12 +981,15 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         else:
             why_not = _gluon_bwd_ineligible(q, k, v, out, dout, kind, rc, dropout, is_causal,
                                             scale, D, Dv)
+        if why_not is None:  # it reads out and dout contiguous
+            out_c, dout_c = _contiguous(out), _contiguous(dout)
         if why_not is None and is_tracing():  # as in the forward: one opaque op
             dq, dk, dv = torch.ops.fuse_plugin.gluon_attention_backward(
-                dout, q, k, v, out, lse, bool(is_causal), float(scale), variant, group_split or 0)
+                dout_c, q, k, v, out_c, lse, bool(is_causal), float(scale), variant,
+                group_split or 0)
             return dq, dk, dv, None
         if why_not is None:
-            dq, dk, dv = gluon_bwd.attention_backward_gluon(dout, q, k, v, out, lse,
+            dq, dk, dv = gluon_bwd.attention_backward_gluon(dout_c, q, k, v, out_c, lse,
                                                             is_causal=is_causal, scale=scale,
                                                             variant=variant,
                                                             group_split=group_split)
@@ -1080,6 +1112,10 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
             launch(
                 attention_dq_rope_cast_kernel, (_cdiv(Lq, cast_m) * B * Hq,), dqa, dq, cos, sin, *dq.stride(), *scq, Hq, Lq, scale, D,
                 D0=one[0], D2=one[2], BLOCK_M=cast_m, **rc, num_warps=4, writes=("DQ",))
+        elif is_tracing():
+            # What attention_dq_cast_kernel computes, as torch ops: Inductor fuses the scale and
+            # cast into dq's consumer (the copy that lays out the q/k/v gradients), no launch.
+            dq = (dqa * scale).to(q.dtype)
         else:
             n = dq.numel()
             launch(attention_dq_cast_kernel, (_cdiv(n, 1024),), dqa, dq, n, scale, BLOCK=1024,

@@ -10,7 +10,9 @@ computes softmax(q·kᵀ·scale + bias [causal]) · v with
   is_causal top-left aligned like SDPA's `is_causal`: key j is visible to query i iff j <= i,
   also when Lq != Lk (so with Lq > Lk every row still sees key 0; a KV-cache decode step
   wants bottom-right alignment and must pass an explicit mask instead).
-Outputs: out (B, Hq, Lq, Dv) contiguous in q's dtype, lse (B, Hq, Lq) float32 (natural log).
+Outputs: out (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv) in memory (a transposed
+view, as SDPA's flash/cuDNN outputs: the usual head merge `out.transpose(1, 2).reshape(B, Lq, -1)`
+is then a view, no copy), lse (B, Hq, Lq) float32 contiguous (natural log).
 lse is not differentiable.
 
 Dropout: with dropout_p > 0 the attention weights are dropped with probability dropout_p and the
@@ -107,16 +109,21 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], i
         return _kernels().attention_forward(
             q, k, v, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed
         )
-    return reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
+    out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
+    return out.transpose(1, 2).contiguous().transpose(1, 2), lse  # the kernels' layout
+
+
+def empty_out(q: Tensor, v: Tensor) -> Tensor:
+    """An uninitialised output of the op for q and v: (B, Hq, Lq, Dv) laid out (B, Lq, Hq, Dv)."""
+    b, hq, lq, _ = q.shape
+    return q.new_empty((b, lq, hq, v.shape[-1])).transpose(1, 2)
 
 
 @torch.library.register_fake("fuse_plugin::attention", lib=_LIB)
 def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
     check_dropout(dropout_p, dropout_seed, q)
     b, hq, lq, _ = q.shape
-    out = q.new_empty((b, hq, lq, v.shape[-1]))
-    lse = q.new_empty((b, hq, lq), dtype=torch.float32)
-    return out, lse
+    return empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor],

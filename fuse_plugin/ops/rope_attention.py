@@ -112,7 +112,7 @@ def _(q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, dropout_p, is_causa
     attention.check_dropout(dropout_p, dropout_seed, q)
     _check(q, k, v, cos, sin, rotary_dim)
     b, hq, lq, _ = q.shape
-    return q.new_empty((b, hq, lq, v.shape[-1])), q.new_empty((b, hq, lq), dtype=torch.float32)
+    return attention.empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
 
 
 def _rope_attention_backward(
