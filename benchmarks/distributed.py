@@ -71,6 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--no-reference", action="store_true", help="skip the 1-GPU runs (no PASS/FAIL)")
     p.add_argument("--cpu", action="store_true", help="smoke test: gloo on the CPU, tiny model, fp32, 3 steps")
     p.add_argument("--out", default=None, help="also write the tables to this markdown file (rank 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, profile one more step (rank 0 prints the top GPU kernels "
+                        "and CPU ops, the graphs compiled and the graph breaks)")
     args = p.parse_args(argv)
     if args.cpu:
         args.seq, args.batch, args.steps = min(args.seq, 32), min(args.batch, 2), min(args.steps, 4)
@@ -167,6 +170,46 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def train_step(fn, ids, opt, mode, ws):
+    """One AdamW step; returns the global-batch loss (a tensor)."""
+    logits = fn(input_ids=ids).logits
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    value = loss.detach().clone()
+    if mode == "fsdp2":  # the mean over ranks of equal shares = the global-batch loss
+        dist.all_reduce(value)
+        value /= ws
+    return value
+
+
+def profile_step(step, title, device, rank):
+    """--profile: one step under torch.profiler; rank 0 prints where its time went."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        step()
+        sync(device)
+    wall = (time.perf_counter() - t0) * 1e3
+    if rank != 0:
+        return
+    events = prof.key_averages()
+    gpu = sorted(events, key=lambda e: -getattr(e, "self_device_time_total", 0))[:12]
+    cpu = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    breaks = sum(counters["graph_break"].values())
+    print(f"[profile] {title}: {wall:.1f} ms (profiled), graphs {counters['stats'].get('unique_graphs', 0)}, "
+          f"graph breaks {breaks}: {dict(counters['graph_break'])}", flush=True)
+    for e in gpu:
+        print(f"[profile]   gpu {getattr(e, 'self_device_time_total', 0) / 1e3:8.2f} ms x{e.count:<4} {e.key[:90]}")
+    for e in cpu:
+        print(f"[profile]   cpu {e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:<4} {e.key[:90]}")
+
+
 def run(args, variant, mode, device, mesh, ids_global):
     """Train `steps` steps; per-step global losses, median step time, peak memory, compile time.
     mode "1-GPU" runs on this rank alone (no collectives)."""
@@ -197,18 +240,12 @@ def run(args, variant, mode, device, mesh, ids_global):
                 torch.cuda.reset_peak_memory_stats(device)  # the timed steps only
             sync(device)
             t0 = time.perf_counter()
-            logits = fn(input_ids=ids).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            value = train_step(fn, ids, opt, mode, ws)
             sync(device)
             times.append(time.perf_counter() - t0)
-            value = loss.detach().clone()
-            if mode == "fsdp2":  # the mean over ranks of equal shares = the global-batch loss
-                dist.all_reduce(value)
-                value /= ws
             losses.append(value.item())
+    if args.profile:
+        profile_step(lambda: train_step(fn, ids, opt, mode, ws), f"{variant} {mode}", device, rank)
     timed = times[2:] or times
     res = {
         "variant": variant, "mode": mode, "ws": 1 if mode == "1-GPU" else ws,
@@ -218,7 +255,7 @@ def run(args, variant, mode, device, mesh, ids_global):
         "compile_s": sum(times[:2]),
         "fused": dict(counters["fuse_plugin"]),
     }
-    del model, fn, opt, logits, loss
+    del model, fn, opt
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
