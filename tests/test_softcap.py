@@ -242,6 +242,7 @@ class Softcapped(torch.nn.Module):
     def __init__(self, spelling="div", cap=5.0, cap_out=None, where="before_mask", scale=0.25):
         super().__init__()
         self.spelling, self.cap, self.cap_out, self.where, self.scale = spelling, cap, cap_out, where, scale
+        self.learned_cap = torch.nn.Parameter(torch.tensor(float(cap)))
 
     def forward(self, q, k, v, mask):
         c, out_c = self.cap, self.cap if self.cap_out is None else self.cap_out
@@ -261,7 +262,7 @@ class Softcapped(torch.nn.Module):
         elif self.spelling == "scale_after":
             s = torch.tanh(s / c) * out_c * 2.0
         elif self.spelling == "tensor_multiply":
-            s = torch.tanh(s / c) * q.new_full((), out_c)
+            s = torch.tanh(s / c) * self.learned_cap
         elif self.spelling == "twice":
             s = torch.tanh(torch.tanh(s / c) * out_c / c) * out_c
         if self.where == "before_mask":
@@ -305,48 +306,63 @@ def test_matcher_fuses_softcap(spelling):
 
 
 def test_matcher_expect_graph():
-    """The rewritten graph holds one attention op with softcap=5.0 and no tanh."""
+    """The rewritten graph holds one attention op with softcap=5.0 and the scale 0.25, no tanh."""
     from fuse_plugin.patterns import attention as pat
     from fuse_plugin.patterns.report import Report
 
     gm = _dynamo_graph(Softcapped(), _inputs())
-    pat.rewrite(gm, Report())
+    report = Report()
+    pat.rewrite(gm, report)
     ops = [n for n in gm.graph.nodes if n.target is pat.ATTENTION_OP]
-    assert len(ops) == 1
-    assert ops[0].kwargs == {"softcap": 5.0}
+    assert len(ops) == 1 and ops[0].kwargs == {"softcap": 5.0}
     assert ops[0].args[6] == pytest.approx(0.25)
     assert not any("tanh" in str(n.target) for n in gm.graph.nodes)
+    assert "softcap=5" in report.sites[0].detail
 
 
-def test_matcher_mismatched_caps_fused_as_rescaled():
-    """tanh(s / a) · b is b·tanh(s·(b/a) / b): a softcap b of the scores scaled by b/a; fused
-    with that scale, and equal to eager."""
-    _compile_and_compare(Softcapped(cap=4.0, cap_out=6.0), expect_fused=True)
+# Constant factors around the tanh distribute over the masks: A·tanh(B·s) is the softcap A of the
+# scores scaled by A·B (`_softcap`), so these are softcaps too, fused with (cap, scale):
+REWRITTEN = {
+    "mismatched": (dict(cap=4.0, cap_out=6.0), 6.0, 0.25 * 6.0 / 4.0),  # tanh(s / 4) · 6
+    "no_multiply_back": (dict(spelling="no_multiply_back", cap=4.0), 1.0, 0.25 / 4.0),  # tanh(s / 4)
+    "scale_after": (dict(spelling="scale_after", cap=4.0), 8.0, 0.25 * 2.0),  # tanh(s / 4) · 4 · 2
+}
+
+
+@pytest.mark.parametrize("name", list(REWRITTEN))
+def test_matcher_constant_factors_fold_into_cap_and_scale(name):
+    from fuse_plugin.patterns import attention as pat
+    from fuse_plugin.patterns.report import Report
+
+    kwargs, cap, scale = REWRITTEN[name]
+    gm = _dynamo_graph(Softcapped(**kwargs), _inputs())
+    pat.rewrite(gm, Report())
+    (op,) = [n for n in gm.graph.nodes if n.target is pat.ATTENTION_OP]
+    assert op.kwargs["softcap"] == pytest.approx(cap) and op.args[6] == pytest.approx(scale)
+    _compile_and_compare(Softcapped(**kwargs), expect_fused=True)
 
 
 NEAR_MISSES = {
-    "no_multiply_back": "not a softcap",
-    "shift_inside": "softcap",
-    "scale_after": "scaled after the softcap",
-    "tensor_multiply": "not a softcap",
-    "twice": "softcap",
+    "shift_inside": "after a mask, a bias or a constant shift",  # tanh((s + 1) / c) · c
+    "tensor_multiply": "run-time value",  # tanh(s / c) · a learned 0-d parameter
+    "twice": "twice",  # a softcap of a softcap
 }
 
 
 @pytest.mark.parametrize("spelling", list(NEAR_MISSES))
 def test_matcher_near_misses(spelling):
     module = Softcapped(spelling)
-    _compile_and_compare(module, expect_fused=False)
     reasons = _miss_reasons(module)
     assert any(NEAR_MISSES[spelling] in r for r in reasons), reasons
+    _compile_and_compare(module, expect_fused=False)
 
 
 def test_matcher_softcap_after_mask_refused():
-    """tanh over the masked scores squashes the mask (-inf or finfo.min becomes -c, a visible
-    key): not the op's softcap, left alone."""
+    """tanh over the masked scores squashes the mask (finfo.min or -inf becomes -c, a visible
+    key): not the op's softcap, left alone (and eager's result kept)."""
     module = Softcapped(where="after_mask")
-    _compile_and_compare(module, expect_fused=False)
     assert any("after a mask" in r for r in _miss_reasons(module))
+    _compile_and_compare(module, expect_fused=False)
 
 
 def _dynamo_graph(module, inputs):
