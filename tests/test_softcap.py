@@ -109,6 +109,9 @@ def test_kernels_vs_float64(case, poisoned):
     out, lse = attn.attention_forward(q, k, v, b4, is_causal=causal, scale=scale, config=cfg,
                                       softcap=softcap)
     check("out", out, want, 1e-5)
+    rb4 = ref_bias.detach().expand(B, Hq, Lq, Lk) if bias is not None else None
+    _, want_lse = reference.attention_forward(*(t.detach() for t in leaves), rb4, causal, scale, softcap=softcap)
+    check("lse", lse, want_lse, 1e-5)
     need_dbias = bias_kind == "float"
     dq, dk, dv, ds = attn.attention_backward(dout, q, k, v, b4, out, lse, is_causal=causal,
                                              scale=scale, need_dbias=need_dbias, config=cfg,

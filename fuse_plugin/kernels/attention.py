@@ -25,6 +25,13 @@ Shapes and layouts
   of that keep rate (1/(1-p) to within 2**-16). The row sum and ``lse`` are of the undropped
   softmax. Forward and backward draw the same mask; ``reference.dropout_keep`` reproduces it bit
   for bit. Nothing of size Lq * Lk is stored.
+* Softcap (``softcap`` c > 0, Gemma 2 / Grok): the scores are c·tanh(q·kᵀ·scale / c), then the
+  bias and the masks. The general kernels (forward, atomic and atomic-free backward, preprocess)
+  take it as the ``SOFTCAP`` constexpr (``_capped_scores``: tanh from exp2 alone, the same on
+  every Triton and in the interpreter); the backward multiplies dS by 1 - tanh² for dq/dk (dbias
+  is the gradient of the capped scores). The TMA and Gluon kernels have no softcap: a table entry
+  naming one yields to the general kernels for a softcapped call, a user config raises
+  (``_softcap_config``).
 
 Numerics
 --------

@@ -117,12 +117,12 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], i
                  dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None, softcap: float = 0.0):
     """The op's computation (also the second half of `rope_attention`'s unfused path)."""
     bias = bias_4d(attn_bias, q, k)
+    extra = {"softcap": softcap} if softcap else {}  # calls without one stay as they were
     if _runs_kernel(q, v):
-        extra = {"softcap": softcap} if softcap else {}
         return _kernels().attention_forward(
             q, k, v, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
             **extra)
-    return reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, softcap)
+    return reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, **extra)
 
 
 @torch.library.register_fake("fuse_plugin::attention", lib=_LIB)
@@ -149,15 +149,15 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias:
 def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p=0.0, dropout_seed=None,
                   softcap=0.0):
     bias = bias_4d(attn_bias, q, k)
+    extra = {"softcap": softcap} if softcap else {}
     if _runs_kernel(q, v):
-        extra = {"softcap": softcap} if softcap else {}
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
             dropout_p=dropout_p, dropout_seed=dropout_seed, **extra,
         )
     else:
         dq, dk, dv, ds = reference.attention_backward(
-            dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, softcap
+            dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, **extra
         )
     return dq, dk, dv, reduce_dbias(ds, attn_bias, q, need_dbias)
 
