@@ -166,7 +166,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
     delta = tl.load(Delta + stat_base + rows, mask=row_ok, other=0.0)
 
     qk_t = _dot_nt(k0, k1, k2, q0, q1, q2, D1, D2, PRECISION, UPCAST_DOT)
-    if BIAS_KIND == 0 and not MASK and not SOFTCAP:
+    if BIAS_KIND == 0 and not (MASK or SOFTCAP):  # (two operands: Triton 3.6 refuses chains)
         p_t = tl.exp2(qk_t * score_scale - row_m[None, :])
         t_t = qk_t  # unused
     else:
