@@ -27,6 +27,13 @@ Shapes and layouts
   of that keep rate (1/(1-p) to within 2**-16). The row sum and ``lse`` are of the undropped
   softmax. Forward and backward draw the same mask; ``reference.dropout_keep`` reproduces it bit
   for bit. Nothing of size Lq * Lk is stored.
+* Softcap (``softcap`` c > 0, Gemma 2 / Grok): the scores are c·tanh(q·kᵀ·scale / c), then the
+  bias and the masks. The general kernels (forward, atomic and atomic-free backward, preprocess)
+  take it as the ``SOFTCAP`` constexpr (``_capped_scores``: tanh from exp2 alone, the same on
+  every Triton and in the interpreter); the backward multiplies dS by 1 - tanh² for dq/dk (dbias
+  is the gradient of the capped scores). The TMA and Gluon kernels have no softcap: a table entry
+  naming one yields to the general kernels for a softcapped call, a user config raises
+  (``_softcap_config``).
 
 Numerics
 --------
@@ -525,6 +532,38 @@ def _score_scale(kind: int, scale: float) -> float:
     return scale if kind == _FLOAT_BIAS else scale * 1.4426950408889634
 
 
+def _softcap_args(kind: int, scale: float, softcap: float) -> tuple[float, float, bool]:
+    """(score_scale, cap, SOFTCAP) kernel arguments. With a softcap c the kernels compute
+    t = tanh(qk · scale / c) and the score cap · t, cap = c in the kernel's units (see
+    ``_score_scale``); the backward multiplies dS by 1 - t² (``_capped_scores``)."""
+    if not softcap:
+        return _score_scale(kind, scale), 1.0, False
+    if not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
+    return scale / softcap, _score_scale(kind, 1.0) * softcap, True
+
+
+# Kernel families that take a softcap: the general forward and both general backward paths.
+_SOFTCAP_KERNELS = {"fwd": ("general",), "bwd": ("general", "two_kernel")}
+
+
+def _softcap_config(kernel: str, cfg: AttentionConfig, user_given: bool, D: int, Dv: int,
+                    q: torch.Tensor, bias_elt: int) -> AttentionConfig:
+    """The config a softcapped call runs with: the TMA and Gluon kernels have no softcap, so a
+    table entry naming one of them yields to the general kernels' heuristic tiles (a "tma_pair"
+    entry to the general atomic-free pair) and a user config naming one raises."""
+    if cfg.kernel in _SOFTCAP_KERNELS[kernel]:
+        return cfg
+    if user_given:
+        raise ValueError(f"config {cfg} asks for the {cfg.kernel!r} {kernel} kernel, which has no "
+                         f"softcap (kernels with one: {_SOFTCAP_KERNELS[kernel]})")
+    if kernel == "bwd" and cfg.kernel == "tma_pair":
+        return _tma_pair_fallback(D, Dv, q.dtype)
+    heuristic = _forward_config if kernel == "fwd" else _backward_config
+    return _fit_smem(kernel, heuristic(D, Dv, q.dtype), D, Dv, q.element_size(), bias_elt,
+                     q.device)
+
+
 def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor):
     """(Seed, drop_thresh, inv_keep, DROPOUT) kernel arguments; see ``_dropout_keep``."""
     if dropout_p == 0.0:
@@ -820,12 +859,14 @@ def _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m, is_causal, sca
 
 def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
                       config: Optional[AttentionConfig] = None, rope: Optional[Rope] = None,
-                      dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None):
+                      dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
+                      softcap: float = 0.0):
     """Returns ``(out, lse)``; see the module docstring for shapes and semantics. With ``rope``
     (a ``Rope``), q and k are un-rotated and rotated in registers after each load. With
     ``dropout_p > 0`` the weights are dropped by the draw of ``_dropout_keep`` under
     ``dropout_seed`` (one int64 on q's device) and the kept ones scaled by 1/(1-p); lse is of the
-    undropped scores."""
+    undropped scores. With ``softcap`` c > 0 the scores are c·tanh(q·kᵀ·scale / c) before the
+    bias and the masks (general kernels only: ``_softcap_config``)."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     B, Hq, Lq, D = q.shape
@@ -846,6 +887,9 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     cfg = AttentionConfig(*config) if user_given else _pick_config(
         "fwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
     _check_config(cfg, "fwd")
+    score_scale, cap, softcapped = _softcap_args(kind, scale, softcap)
+    if softcapped:
+        cfg = _softcap_config("fwd", cfg, user_given, D, Dv, q, _bias_elt(bias_t, kind))
     tma_checked = None  # (_tma_ineligible's answer,) once asked: a Gluon entry asks it first
     if cfg.kernel in _GLUON_KERNELS:
         tma_checked = (_tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv,
@@ -903,9 +947,9 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         launch(
             attention_fwd_kernel, grid, q, k, v, bias_t, out_buf, lse, cos, sin,
             *q.stride(), *k.stride(), *v.stride(), *sb, *out.stride(), *lse.stride(), *scq, *sck,
-            Hq, Hq // Hkv, Lq, Lk, _score_scale(kind, scale), seed, drop_thresh, inv_keep, D, Dv,
+            Hq, Hq // Hkv, Lq, Lk, score_scale, seed, drop_thresh, inv_keep, cap, D, Dv,
             IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, SCALE_POS=bool(scale >= 0),
-            DROPOUT=dropout,
+            DROPOUT=dropout, SOFTCAP=softcapped,
             PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
             BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
             writes=("Out", "Lse"),
@@ -920,13 +964,14 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                        need_dbias: bool, config: Optional[AttentionConfig] = None,
                        deterministic: Optional[bool] = None, rope: Optional[Rope] = None,
                        dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
-                       group_split: Optional[int] = None):
+                       group_split: Optional[int] = None, softcap: float = 0.0):
     """Returns ``(dq, dk, dv, dbias_or_None)``; see the module docstring. ``deterministic``
     (default: ``torch.are_deterministic_algorithms_enabled()``) picks the atomic-free kernels.
     With ``rope``, q and k are the un-rotated inputs and dq/dk the gradients w.r.t. them.
     ``group_split`` (atomic path and "tma_pair", default ``_group_split``) shares each GQA
     group's query heads out over that many programs, whose fp32 dK/dV partials are then
-    summed."""
+    summed. ``softcap``: as in ``attention_forward``; dbias is the gradient of the softcapped
+    scores (dq/dk go on through the softcap)."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     dout = _unit_last_stride(dout)  # the forward's layout (out_layout): read by its strides
@@ -954,6 +999,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     else:
         cfg = _pick_config("bwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
     _check_config(cfg, "bwd")
+    score_scale, cap, softcapped = _softcap_args(kind, scale, softcap)
+    if softcapped:
+        cfg = _softcap_config("bwd", cfg, user_given, D, Dv, q, _bias_elt(bias_t, kind))
     use_tma_pair = False
     if cfg.kernel == "tma_pair":
         why_not = "it writes no dbias" if need_dbias else \
@@ -1020,7 +1068,6 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                             dev)
     if not user_given and not deterministic:
         cfg = _rope_adjust("bwd", cfg, q.dtype, rc)
-    score_scale = _score_scale(kind, scale)
     common = dict(IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, PRECISION=_dot_precision(q),
                   UPCAST_DOT=_upcast_dot(q))
     # The atomic-free kernels and the preprocess read q/k whole (one tile) or as the rope parts.
@@ -1037,7 +1084,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         attention_bwd_preprocess_kernel, (_cdiv(Lq, pre_m) * B * Hq,),
         out, dout, lse, delta, row_m, row_r, q, k, bias_t, dqa, cos, sin,
         *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *sb, *scq, *sck,
-        Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, ZERO_DQ=not deterministic, **common,
+        Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, cap, ZERO_DQ=not deterministic,
+        SOFTCAP=softcapped, **common,
         BLOCK_M=pre_m, BLOCK_N=32, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv),
         D0=one[0], D1=one[1], D2=one[2], **rc,
         num_warps=4, num_stages=1,
@@ -1099,8 +1147,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                 *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk_strides,
                 *dv_strides, *ds_strides, *scq, *sck,
                 Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale, scale, seed, drop_thresh, inv_keep,
-                split, *split_strides,
-                D, Dv, NEED_DS=bool(need_dbias), DROPOUT=dropout, **common,
+                split, *split_strides, cap,
+                D, Dv, NEED_DS=bool(need_dbias), DROPOUT=dropout, SOFTCAP=softcapped, **common,
                 BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
                 writes=("DQA", "DK", "DV") + (("DS",) if need_dbias else ()),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -1135,13 +1183,13 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         attention_bwd_dkdv_kernel, (_cdiv(Lk, bn) * B * Hkv,), q, k, v, bias_t, dout, dk, dv, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk.stride(), *dv.stride(),
         *scq, *sck, Hq, Hkv, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,
-        inv_keep, DROPOUT=dropout, **consts, writes=("DK", "DV"),
+        inv_keep, cap, DROPOUT=dropout, SOFTCAP=softcapped, **consts, writes=("DK", "DV"),
     )
     launch(
         attention_bwd_dq_kernel, (_cdiv(Lq, bm) * B * Hq,), q, k, v, bias_t, dout, dq, ds_t, delta, row_m, row_r, cos, sin,
         *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dq.stride(), *ds_strides,
         *scq, *sck, Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,
-        inv_keep, NEED_DS=bool(need_dbias), DROPOUT=dropout, **consts,
+        inv_keep, cap, NEED_DS=bool(need_dbias), DROPOUT=dropout, SOFTCAP=softcapped, **consts,
         writes=("DQ",) + (("DS",) if need_dbias else ()),
     )
     return dq, dk, dv, dbias

@@ -10,6 +10,7 @@ from .attention_tiles import (
     _LOG2E,
     _LSE_EXACT_LIMIT,
     _atomic_add_dq,
+    _capped_scores,
     _dot,
     _dot_acc,
     _dot_nt,
@@ -23,7 +24,6 @@ from .attention_tiles import (
     _probs,
     _query_block_program,
     _query_blocks,
-    _scores,
     _store_d,
     _store_grad,
     _store_tile,
@@ -47,8 +47,8 @@ def attention_bwd_preprocess_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale,
-    IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ZERO_DQ: tl.constexpr,
+    Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, cap,
+    IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ZERO_DQ: tl.constexpr, SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -59,7 +59,7 @@ def attention_bwd_preprocess_kernel(
     (B * Hq, Lq). ZERO_DQ: also zero these rows of the fp32 dQ accumulator DQA (contiguous
     (B * Hq, Lq, D)) that the atomic backward adds into."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
-    score_scale = tl.cast(score_scale, tl.float32)
+    score_scale, cap = tl.cast(score_scale, tl.float32), tl.cast(cap, tl.float32)
     n_m_blocks = tl.cdiv(Lq, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = pid % n_m_blocks
@@ -117,9 +117,9 @@ def attention_bwd_preprocess_kernel(
                                       stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED,
                                       HALF_TABLE, BLOCK_N)
                 qk = _dot_nt(q0, q1, q2, k0, k1, k2, D1, D2, PRECISION, UPCAST_DOT)
-                s = _scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
-                            bias_base, stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND,
-                            True)
+                s, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq,
+                                      Lk, bias_base, stride_bm, stride_bn, score_scale, cap,
+                                      IS_CAUSAL, BIAS_KIND, True, SOFTCAP)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 l_i = l_i * _exp(m_i - m_ref, True) + tl.sum(_exp(s - m_ref[:, None], True), 1)
@@ -142,8 +142,8 @@ def attention_bwd_preprocess_kernel(
 def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
               ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m, offs_n,
               offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn,
-              stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale,
-              seed, bh, drop_thresh, inv_keep, DROPOUT: tl.constexpr,
+              stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
+              seed, bh, drop_thresh, inv_keep, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
               D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
@@ -166,15 +166,17 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
     delta = tl.load(Delta + stat_base + rows, mask=row_ok, other=0.0)
 
     qk_t = _dot_nt(k0, k1, k2, q0, q1, q2, D1, D2, PRECISION, UPCAST_DOT)
-    if BIAS_KIND == 0 and not MASK:
+    if BIAS_KIND == 0 and not (MASK or SOFTCAP):  # (two operands: Triton 3.6 refuses chains)
         p_t = tl.exp2(qk_t * score_scale - row_m[None, :])
+        t_t = qk_t  # unused
     else:
         if BIAS_KIND == 2:
             row_r = tl.load(RowR + stat_base + rows, mask=row_ok, other=0.0)
         else:
             row_r = row_m  # unused
-        s_t = _scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None], Lq, Lk,
-                      bias_base, stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND, MASK)
+        s_t, t_t = _capped_scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None], Lq,
+                                  Lk, bias_base, stride_bm, stride_bn, score_scale, cap,
+                                  IS_CAUSAL, BIAS_KIND, MASK, SOFTCAP)
         p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
     if DROPOUT:
         keep = _dropout_keep(seed, bh, start_m, start_n, offs_m, offs_n, drop_thresh, True)
@@ -194,6 +196,8 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
         ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[None, :], offs_n[:, None],
                              stride_dsm, stride_dsn)
         tl.store(ds_ptrs, ds_t, mask=row_ok[None, :] & (start_n + offs_n < Lk)[:, None])
+    if SOFTCAP:  # dS w.r.t. the scaled scores before the softcap (dbias above is after it)
+        ds_t = ds_t * (1.0 - t_t * t_t)
     dsc = ds_t.to(q0.dtype)
     dk0 = _dot_acc(dsc, q0, dk0, PRECISION, UPCAST_DOT)
     if D1 != 0:
@@ -219,10 +223,10 @@ def attention_bwd_kernel(
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale,
-    Seed, drop_thresh, inv_keep, group_split, split_stride_dk, split_stride_dv,
+    Seed, drop_thresh, inv_keep, group_split, split_stride_dk, split_stride_dv, cap,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
@@ -237,9 +241,9 @@ def attention_bwd_kernel(
     (more programs when B * Hkv * key blocks is too few for the GPU); each writes its partial
     dK/dV at DK/DV + split * split_stride_dk/dv (fp32 buffers the launcher sums)."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
-    score_scale, sm_scale, inv_keep = (
+    score_scale, sm_scale, inv_keep, cap = (
         tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
-        tl.cast(inv_keep, tl.float32))
+        tl.cast(inv_keep, tl.float32), tl.cast(cap, tl.float32))
     pid_n, split, b, kvh, heads_per_split = _key_block_program(Lk, Hkv, kv_group, group_split,
                                                                BLOCK_N)
     b = b.to(tl.int64)
@@ -286,8 +290,8 @@ def attention_bwd_kernel(
                 k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
                 offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
-                stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale,
-                seed, b * Hq + h, drop_thresh, inv_keep, DROPOUT,
+                stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
+                seed, b * Hq + h, drop_thresh, inv_keep, DROPOUT, SOFTCAP,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
@@ -298,8 +302,8 @@ def attention_bwd_kernel(
                 k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
                 offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
-                stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale,
-                seed, b * Hq + h, drop_thresh, inv_keep, DROPOUT,
+                stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
+                seed, b * Hq + h, drop_thresh, inv_keep, DROPOUT, SOFTCAP,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, False, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
 
@@ -383,8 +387,9 @@ def attention_bwd_dkdv_kernel(
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, Hkv, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
-    Seed, drop_thresh, inv_keep,
+    Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -394,9 +399,9 @@ def attention_bwd_dkdv_kernel(
     both accumulations are plain dots: dV += P^T dO, dK += dS^T Q * scale. q/k as head-dim parts
     (without rope one tile: D0 = the padded head dim, D1 = D2 = 0)."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
-    score_scale, sm_scale, inv_keep = (
+    score_scale, sm_scale, inv_keep, cap = (
         tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
-        tl.cast(inv_keep, tl.float32))
+        tl.cast(inv_keep, tl.float32), tl.cast(cap, tl.float32))
     n_n_blocks = tl.cdiv(Lk, BLOCK_N)
     pid = tl.program_id(0)
     pid_n = pid % n_n_blocks
@@ -448,9 +453,9 @@ def attention_bwd_dkdv_kernel(
             else:
                 row_r = row_m  # unused
             qk_t = _dot_nt(k0, k1, k2, q0, q1, q2, D1, D2, PRECISION, UPCAST_DOT)
-            s_t = _scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None], Lq, Lk,
-                          bias_base, stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND,
-                          True)
+            s_t, t_t = _capped_scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None],
+                                      Lq, Lk, bias_base, stride_bm, stride_bn, score_scale, cap,
+                                      IS_CAUSAL, BIAS_KIND, True, SOFTCAP)
             p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
             if DROPOUT:
@@ -461,6 +466,8 @@ def attention_bwd_dkdv_kernel(
             else:
                 dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST_DOT)
             ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:  # through the softcap: d(c·tanh(x/c))/dx = 1 - tanh²
+                ds_t = ds_t * (1.0 - t_t * t_t)
             dsc = ds_t.to(q0.dtype)
             dk0 += _dot(dsc, q0, PRECISION, UPCAST_DOT)
             if D1 != 0:
@@ -495,9 +502,9 @@ def attention_bwd_dq_kernel(
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
-    Seed, drop_thresh, inv_keep,
+    Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -506,9 +513,9 @@ def attention_bwd_dq_kernel(
     """dQ of one query block (dQ += dS K * scale over the visible key blocks); with NEED_DS also
     writes every element of that block's rows of dS (zeros for causally skipped key blocks)."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
-    score_scale, sm_scale, inv_keep = (
+    score_scale, sm_scale, inv_keep, cap = (
         tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
-        tl.cast(inv_keep, tl.float32))
+        tl.cast(inv_keep, tl.float32), tl.cast(cap, tl.float32))
     pid_bh, b, h, kvh, start_m = _query_block_program(Lq, Hq, kv_group, BLOCK_M)
     b = b.to(tl.int64)
     h = h.to(tl.int64)
@@ -552,8 +559,9 @@ def attention_bwd_dq_kernel(
                               HALF_TABLE, BLOCK_N)
         v = _load_tile(v_base, start_n, Lk, Dv, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
         qk = _dot_nt(q0, q1, q2, k0, k1, k2, D1, D2, PRECISION, UPCAST_DOT)
-        s = _scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk, bias_base,
-                    stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND, True)
+        s, t = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
+                              bias_base, stride_bm, stride_bn, score_scale, cap, IS_CAUSAL,
+                              BIAS_KIND, True, SOFTCAP)
         p = _probs(s, row_m[:, None], row_r[:, None], BIAS_KIND)
         dp = _dot(do, tl.trans(v), PRECISION, UPCAST_DOT)
         if DROPOUT:
@@ -564,6 +572,8 @@ def attention_bwd_dq_kernel(
             ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[:, None], offs_n[None, :],
                                  stride_dsm, stride_dsn)
             tl.store(ds_ptrs, ds, mask=row_ok[:, None] & (start_n + offs_n < Lk)[None, :])
+        if SOFTCAP:  # dbias above is after the softcap; dQ goes through it
+            ds = ds * (1.0 - t * t)
         dsc = ds.to(k0.dtype)
         dq0 += _dot(dsc, k0, PRECISION, UPCAST_DOT)
         if D1 != 0:

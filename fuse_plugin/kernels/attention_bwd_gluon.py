@@ -54,6 +54,9 @@ unit last stride and 16-byte aligned other strides.
 
 Importing this module never compiles anything; when Gluon (or its Hopper API as of triton 3.6)
 is missing, ``GLUON_AVAILABLE`` is False and ``gluon_backward_ineligible`` says so.
+
+No softcap (Gemma 2 / Grok logit softcapping): the launcher (kernels/attention.py,
+``_softcap_config``) never picks this kernel for a softcapped call; the general kernels take it.
 """
 
 

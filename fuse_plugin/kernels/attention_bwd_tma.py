@@ -22,6 +22,9 @@ written. Both read the preprocess kernel's Delta / RowM rows (contiguous (B * Hq
   key block is heavy and registers are short, it is also the fastest (RESULTS.md, stop 11).
   Each kernel has its own tiles (``AttentionConfig.dq_tile``): dK/dV keep 2 x BLOCK_N x D fp32
   accumulators, dQ one BLOCK_M x D.
+
+No softcap (Gemma 2 / Grok logit softcapping): the launcher (kernels/attention.py,
+``_softcap_config``) never picks this kernel for a softcapped call; the general kernels take it.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from .attention_tiles import (
     _key_blocks,
     _load_d,
     _load_qk,
-    _scores,
+    _capped_scores,
     _store_d,
     _zero_parts,
 )
@@ -28,8 +28,8 @@ from .attention_tiles import (
 @triton.jit
 def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
               start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
-              stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale,
-              seed, bh, drop_thresh, DROPOUT: tl.constexpr,
+              stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale, cap,
+              seed, bh, drop_thresh, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
               D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
@@ -43,9 +43,10 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
     v0, v1 = _load_d(v_base, start_n, Lk, stride_vn, stride_vd, Dv, DV0, DV1, BLOCK_N)
     qk = _dot_nt(q0, q1, q2, k0, k1, k2, D1, D2, PRECISION, UPCAST_DOT)
     if BIAS_KIND == 0:
-        if MASK:
-            s = _scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
-                        bias_base, stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND, MASK)
+        if MASK or SOFTCAP:
+            s, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
+                                  bias_base, stride_bm, stride_bn, score_scale, cap, IS_CAUSAL,
+                                  BIAS_KIND, MASK, SOFTCAP)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
         else:
@@ -61,8 +62,9 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
             p = tl.exp2(qk * score_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
     else:
-        s = _scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk, bias_base,
-                    stride_bm, stride_bn, score_scale, IS_CAUSAL, BIAS_KIND, MASK)
+        s, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
+                              bias_base, stride_bm, stride_bn, score_scale, cap, IS_CAUSAL,
+                              BIAS_KIND, MASK, SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A bias can mask a row's whole block: while a row has seen only -inf, use 0 as the
         # reference so that (-inf) - (-inf) never produces NaN (p and alpha are then 0).
@@ -94,10 +96,10 @@ def attention_fwd_kernel(
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, kv_group, Lq, Lk, score_scale,
-    Seed, drop_thresh, inv_keep,
+    Seed, drop_thresh, inv_keep, cap,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, SCALE_POS: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
@@ -106,7 +108,8 @@ def attention_fwd_kernel(
     # 1-D grid (a 2-D one would cap B*Hq at 65535 on the y axis). Query blocks of one head are
     # adjacent so they share K/V in L2; the last (causally heaviest) block is launched first.
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
-    score_scale, inv_keep = (tl.cast(score_scale, tl.float32), tl.cast(inv_keep, tl.float32))
+    score_scale, inv_keep, cap = (tl.cast(score_scale, tl.float32), tl.cast(inv_keep, tl.float32),
+                                  tl.cast(cap, tl.float32))
     n_m_blocks = tl.cdiv(Lq, BLOCK_M)
     pid = tl.program_id(0)
     pid_m = n_m_blocks - 1 - pid % n_m_blocks
@@ -146,16 +149,16 @@ def attention_fwd_kernel(
         m_i, l_i, acc0, acc1 = _fwd_step(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
             start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
-            stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale,
-            seed, pid_bh, drop_thresh, DROPOUT,
+            stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale, cap,
+            seed, pid_bh, drop_thresh, DROPOUT, SOFTCAP,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, False, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
     for start_n in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc0, acc1 = _fwd_step(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
             start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
-            stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale,
-            seed, pid_bh, drop_thresh, DROPOUT,
+            stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale, cap,
+            seed, pid_bh, drop_thresh, DROPOUT, SOFTCAP,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
 

@@ -33,6 +33,9 @@ Measured (H100, stop 10; benchmarks/NOTES.md attempt 14): bf16 D 128 at 4k-16k 0
 keys. Ping-pong helps at 16k and fp16, hurts short causal rows: the table picks per key.
 kernels/attention.py reaches this kernel through ``launch_forward_gluon`` (AttentionConfig.kernel
 "gluon" / "gluon_pingpong"); ``attention_forward_gluon`` is the checked entry for scripts.
+
+No softcap (Gemma 2 / Grok logit softcapping): the launcher (kernels/attention.py,
+``_softcap_config``) never picks this kernel for a softcapped call; the general kernels take it.
 """
 from __future__ import annotations
 

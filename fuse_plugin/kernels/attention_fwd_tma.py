@@ -19,6 +19,9 @@ kernel. (Host-side descriptors measured 1.5-9% faster than building them in each
 
 Under Triton's CPU interpreter the same code runs (how CI tests it); bf16 dots are widened there
 (``UPCAST_DOT``) as in the general kernel.
+
+No softcap (Gemma 2 / Grok logit softcapping): the launcher (kernels/attention.py,
+``_softcap_config``) never picks this kernel for a softcapped call; the general kernels take it.
 """
 from __future__ import annotations
 

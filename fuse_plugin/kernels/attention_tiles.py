@@ -408,6 +408,42 @@ def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, score
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 from exp2 alone (no libdevice: the same code on Triton 3.6, 3.9 and in the
+    interpreter). |x| < 0.125: odd Taylor polynomial to x^9 (relative error < 1e-11 there, where
+    (1 - e) / (1 + e) would cancel); else sign(x)·(1 - e) / (1 + e) with e = exp(-2|x|) <= 1,
+    which never overflows (large |x| gives e = 0, tanh = ±1)."""
+    x = x.to(tl.float32)
+    ax = tl.abs(x)
+    e = tl.exp2(ax * (-2.0 * _LOG2E))
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0
+                                                                  + x2 * (62.0 / 2835.0)))))
+    return tl.where(ax < 0.125, small, tl.where(x < 0, -big, big))
+
+
+@triton.jit
+def _capped_scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, score_scale,
+                   cap, IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
+    """``_scores`` with the softcap (``SOFTCAP``) applied before the bias and the masks:
+    (s, t) with s = cap·t (+ bias, masks) and t = tanh(qk·score_scale); the launcher passes
+    score_scale = scale / softcap and cap = softcap in the kernel's units (times log2(e) without
+    a float bias). Without SOFTCAP: (``_scores``, qk) with score_scale as usual (t unused).
+    The backward's chain rule needs t: dS/d(qk·scale) = 1 - t²."""
+    if SOFTCAP:
+        t = _tanh(qk * score_scale)
+        s = _scores(t, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, cap,
+                    IS_CAUSAL, BIAS_KIND, MASK)
+    else:
+        t = qk
+        s = _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, score_scale,
+                    IS_CAUSAL, BIAS_KIND, MASK)
+    return s, t
+
+
+@triton.jit
 def _exp(x, NATURAL: tl.constexpr):
     """exp of a score difference in the kernel's units (see ``_scores``)."""
     if NATURAL:

@@ -1,9 +1,11 @@
 """`fuse_plugin::attention` and its backward op.
 
     out, lse = torch.ops.fuse_plugin.attention(q, k, v, attn_bias, dropout_p, is_causal, scale,
-                                               dropout_seed=None)
+                                               dropout_seed=None, softcap=0.0)
 
-computes softmax(q·kᵀ·scale + bias [causal]) · v with
+computes softmax(q·kᵀ·scale + bias [causal]) · v (with softcap c > 0:
+softmax(c·tanh(q·kᵀ·scale / c) + bias [causal]) · v, Gemma 2's and Grok's logit softcapping,
+applied to the scaled scores before the bias and the masks; 0 = off) with
   q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq a multiple of Hkv (GQA: q head h
   reads kv head h // (Hq // Hkv); the kernels never materialise repeated K/V);
   attn_bias None or broadcastable to (B, Hq, Lq, Lk): bool (True = keep) or additive float;
@@ -22,9 +24,15 @@ down to a multiple of 2**-16 and the scale is the exact inverse of that keep rat
 device, from `new_dropout_seed`, i.e. from torch's RNG, so `torch.manual_seed` makes it
 repeatable): the backward redraws the same mask, and the CPU reference draws it bit for bit like
 the kernels (reference.dropout_keep). dropout_p > 0 without a seed is an error.
+
+Softcap: the general Triton kernels (forward, atomic and deterministic backward) take it; the
+TMA and Gluon kernels do not, and the launcher never picks them for a softcapped call
+(kernels/attention.py, ``_softcap_config``). `rope_attention` has no softcap: the rope folding
+leaves a softcapped attention alone (patterns/rope_attention.py).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -62,6 +70,11 @@ def check_dropout(dropout_p: float, dropout_seed: Optional[Tensor], q: Tensor) -
         )
 
 
+def check_softcap(softcap: float) -> None:
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"fuse_plugin::attention: softcap must be a finite number >= 0 (0 = off), got {softcap}")
+
+
 def new_dropout_seed(device: torch.device) -> Tensor:
     """A fresh dropout seed drawn from torch's generator of `device` (so torch.manual_seed fixes
     the dropout mask)."""
@@ -84,32 +97,34 @@ def bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tenso
 _LIB = torch.library.Library("fuse_plugin", "FRAGMENT")
 _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, float dropout_p, bool is_causal, "
-    "float scale, Tensor? dropout_seed=None) -> (Tensor, Tensor)",
+    "float scale, Tensor? dropout_seed=None, float softcap=0.0) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define(
     "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor out, "
     "Tensor lse, float dropout_p, bool is_causal, float scale, Tensor? dropout_seed, "
-    "bool need_dbias) -> (Tensor, Tensor, Tensor, Tensor)",
+    "bool need_dbias, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], dropout_p: float,
-              is_causal: bool, scale: float, dropout_seed: Optional[Tensor] = None
-              ) -> tuple[Tensor, Tensor]:
+              is_causal: bool, scale: float, dropout_seed: Optional[Tensor] = None,
+              softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
     check_dropout(dropout_p, dropout_seed, q)
-    return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
+    check_softcap(softcap)
+    return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, softcap)
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], is_causal: bool, scale: float,
-                 dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None):
+                 dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None, softcap: float = 0.0):
     """The op's computation (also the second half of `rope_attention`'s unfused path)."""
     bias = bias_4d(attn_bias, q, k)
+    extra = {"softcap": softcap} if softcap else {}  # calls without one stay as they were
     if _runs_kernel(q, v):
         return _kernels().attention_forward(
-            q, k, v, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed
-        )
-    out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
+            q, k, v, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            **extra)
+    out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, **extra)
     return out.transpose(1, 2).contiguous().transpose(1, 2), lse  # the kernels' layout
 
 
@@ -120,31 +135,36 @@ def empty_out(q: Tensor, v: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("fuse_plugin::attention", lib=_LIB)
-def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
+def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0):
     check_dropout(dropout_p, dropout_seed, q)
+    check_softcap(softcap)
     b, hq, lq, _ = q.shape
     return empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor],
                        out: Tensor, lse: Tensor, dropout_p: float, is_causal: bool, scale: float,
-                       dropout_seed: Optional[Tensor], need_dbias: bool
+                       dropout_seed: Optional[Tensor], need_dbias: bool, softcap: float = 0.0
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
     check_dropout(dropout_p, dropout_seed, q)
-    return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed)
+    check_softcap(softcap)
+    return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed,
+                         softcap)
 
 
-def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p=0.0, dropout_seed=None):
+def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p=0.0, dropout_seed=None,
+                  softcap=0.0):
     bias = bias_4d(attn_bias, q, k)
+    extra = {"softcap": softcap} if softcap else {}
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
-            dropout_p=dropout_p, dropout_seed=dropout_seed,
+            dropout_p=dropout_p, dropout_seed=dropout_seed, **extra,
         )
     else:
         dq, dk, dv, ds = reference.attention_backward(
-            dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed
+            dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, **extra
         )
     return dq, dk, dv, reduce_dbias(ds, attn_bias, q, need_dbias)
 
@@ -157,7 +177,8 @@ def reduce_dbias(ds: Optional[Tensor], attn_bias: Optional[Tensor], q: Tensor, n
 
 
 @torch.library.register_fake("fuse_plugin::attention_backward", lib=_LIB)
-def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_seed, need_dbias):
+def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_seed, need_dbias, softcap=0.0):
+    check_softcap(softcap)
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         k, memory_format=torch.contiguous_format
@@ -165,10 +186,10 @@ def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_s
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed = inputs
+    q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, attn_bias, out, lse, dropout_seed)
-    ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
+    ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.softcap = dropout_p, is_causal, scale, softcap
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -176,21 +197,24 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, attn_bias, out, lse, dropout_seed = ctx.saved_tensors
     if dout is None:
-        return None, None, None, None, None, None, None, None
+        return None, None, None, None, None, None, None, None, None
     need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
+    # softcap is passed only when on, so that graphs without one keep the op's old call
+    extra = (ctx.softcap,) if ctx.softcap else ()
     dq, dk, dv, dbias = torch.ops.fuse_plugin.attention_backward.default(
-        dout, q, k, v, attn_bias, out, lse, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed, need_dbias
-    )
-    return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None
+        dout, q, k, v, attn_bias, out, lse, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed, need_dbias,
+        *extra)
+    return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None, None
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed):
+    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap):
+        extra = (softcap,) if softcap else ()
         with torch._C._AutoDispatchBelowAutograd():
             out, lse = torch.ops.fuse_plugin.attention.default(
-                q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed)
-        _setup_context(ctx, (q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed),
+                q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, *extra)
+        _setup_context(ctx, (q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap),
                        (out, lse))
         return out, lse
 
@@ -199,14 +223,15 @@ class _AttentionFunction(torch.autograd.Function):
         return _backward(ctx, dout, dlse)
 
 
-def _attention_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
+def _attention_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             attn_bias is not None and attn_bias.requires_grad)):
         return _AttentionFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale,
-                                        dropout_seed)
+                                        dropout_seed, softcap)
+    extra = (softcap,) if softcap else ()
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.fuse_plugin.attention.default(q, k, v, attn_bias, dropout_p, is_causal,
-                                                       scale, dropout_seed)
+                                                       scale, dropout_seed, *extra)
 
 
 def _attention_backward_autograd(*args):

@@ -39,14 +39,26 @@ def causal_keep(lq: int, lk: int, device: torch.device) -> Tensor:
     return torch.ones(lq, lk, dtype=torch.bool, device=device).tril()
 
 
-def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """Softmax weights P (B, Hkv, G, Lq, Lk) in the compute dtype and lse (B, Hq, Lq)."""
+def softcapped(s: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
+    """(c·tanh(s/c), tanh(s/c)) for softcap c > 0 (Gemma 2, Grok); (s, None) for c = 0 (off)."""
+    if not softcap:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
+def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
+                    softcap: float = 0.0, with_tanh: bool = False):
+    """Softmax weights P (B, Hkv, G, Lq, Lk) in the compute dtype and lse (B, Hq, Lq); with
+    `with_tanh` also tanh(s/c) (B, Hq, Lq, Lk) of the softcap (None without one). The softcap
+    acts on the scaled scores, before the bias and the masks: c·tanh(q·kᵀ·scale / c) + bias."""
     ct = compute_dtype(q, k, bias)
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     g = hq // hkv
     s = _grouped(q.to(ct), g) @ k.to(ct).unsqueeze(2).transpose(-1, -2) * scale
     s = s.reshape(b, hq, lq, lk)
+    s, t = softcapped(s, softcap)
     if bias is not None:
         if bias.dtype == torch.bool:
             s = s.masked_fill(~bias, float("-inf"))
@@ -58,6 +70,8 @@ def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, 
     # whole row) has lse == max in float32, and eager gives uniform weights there. A row masked
     # everywhere with -inf gives NaN, as eager.
     p = torch.softmax(s, dim=-1)
+    if with_tanh:
+        return _grouped(p, g), torch.logsumexp(s, dim=-1), t
     return _grouped(p, g), torch.logsumexp(s, dim=-1)
 
 
@@ -118,8 +132,9 @@ def _dropped(x: Tensor, dropout_p: float, seed: Tensor | None, shape: tuple) -> 
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
-                      dropout_p: float = 0.0, dropout_seed: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    p, lse = attention_probs(q, k, bias, is_causal, scale)
+                      dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
+                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+    p, lse = attention_probs(q, k, bias, is_causal, scale, softcap)
     p = _dropped(p, dropout_p, dropout_seed, tuple(lse.shape) + (k.shape[2],))
     out = p @ v.to(p.dtype).unsqueeze(2)
     b, hq, lq = lse.shape
@@ -129,10 +144,11 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_c
 
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float, need_dbias: bool,
-    dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
+    dropout_p: float = 0.0, dropout_seed: Tensor | None = None, softcap: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """dq, dk, dv (input dtypes) and dS (B, Hq, Lq, Lk) in the compute dtype when need_dbias."""
-    p, lse = attention_probs(q, k, bias, is_causal, scale)  # (B, Hkv, G, Lq, Lk)
+    """dq, dk, dv (input dtypes) and dS (B, Hq, Lq, Lk) in the compute dtype when need_dbias
+    (the gradient of the bias, i.e. of the softcapped scores)."""
+    p, lse, t = attention_probs(q, k, bias, is_causal, scale, softcap, with_tanh=True)  # (B, Hkv, G, Lq, Lk)
     ct = p.dtype
     g = q.shape[1] // k.shape[1]
     # A row whose every score is -inf (lse = -inf) has NaN weights in the forward, as eager. In the
@@ -147,11 +163,13 @@ def attention_backward(
     dv = (_dropped(p, dropout_p, dropout_seed, shape).transpose(-1, -2) @ do).sum(2)
     dp = _dropped(do @ vv.transpose(-1, -2), dropout_p, dropout_seed, shape)
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    dbias = ds.reshape(lse.shape + (k.shape[2],)) if need_dbias else None
+    if t is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²(x/c)
+        ds = ds * _grouped(1 - t * t, g)
     dq = (ds @ k.to(ct).unsqueeze(2)) * scale
     dk = (ds.transpose(-1, -2) @ _grouped(q.to(ct), g)).sum(2) * scale
     b, hq, lq, d = q.shape
     dq = dq.reshape(b, hq, lq, d)
-    dbias = ds.reshape(b, hq, lq, k.shape[2]) if need_dbias else None
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 

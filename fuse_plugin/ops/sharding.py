@@ -17,6 +17,8 @@ That is right only for some placements; these are the ones each op takes, on eve
     holds the sum over its own shard. Empty outputs (a gradient nobody asked for) are replicated.
     dropout_p > 0 only when replicated: the dropout mask is a function of the seed and the local
     indices, so on shards it would repeat on every rank instead of being drawn independently.
+    softcap (attention, attention_backward): a scalar applied to every score alike, so any of
+    these placements takes it as it is (it is one of the cache key's non-tensor arguments).
 
   rotary, rotary_backward, rotary_qk, rotary_qk_backward (pointwise over every leading dim)
     Replicate, or x (q and k, their gradients) Shard(d) on one leading dim d (batch, heads or

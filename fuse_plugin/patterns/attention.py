@@ -9,7 +9,8 @@ instead of traced patterns. From every softmax it walks
                                      pre-transposed; constant factors on q or k fold into the scale.
                                      A 3-D product of q, k with batch and heads merged, viewed back
                                      as (B, H, Lq, Lk) (`_split_batch`), reads the 4-D q and k
-    x = scores ∘ scale ∘ masks       `_chain`: * s, / s, + bias, - bias, masked_fill, where, casts
+    x = scores ∘ scale ∘ masks       `_chain`: * s, / s, + bias, - bias, masked_fill, where, casts,
+                                     a softcap c·tanh(s / c) before the masks (`_softcap`)
     w = softmax(x, dim=-1)           (dtype=, .float() before, .to()/.type_as() after)
     w = dropout(w)                   any constant p in [0, 1) and training flag (p > 0 in
                                      training: done by the op, with its own random mask)
@@ -31,6 +32,7 @@ one site is reported as a miss and leaves the graph as it was (`rewrite`).
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -88,6 +90,7 @@ class AttentionSite:
     is_causal: bool
     causal_note: str
     kv_groups: int
+    softcap: float  # 0.0: none
     out_ops: tuple  # view ops on the op's output (einsum output order)
     matched: list  # the nodes from scores to output, erased when dead
     notes: list = field(default_factory=list)
@@ -398,6 +401,9 @@ def _chain(x: fx.Node, softmax: fx.Node, after: list) -> Union[tuple, str]:
             else:
                 return f"the scores get {_describe(other)} added"
             nxt = chain_in
+        elif name == "tanh":
+            ops.append(("tanh",))  # a softcap, read by `_softcap`
+            nxt = c["input"]
         elif name == "masked_fill":
             v = constant_number(c["value"])
             if v is None:
@@ -440,7 +446,42 @@ def _reaches_product(x: fx.Node, depth: int = 16) -> bool:
     return any(isinstance(n, fx.Node) and _reaches_product(n, depth - 1) for n in cands)
 
 
-_CHAIN_OPS = ("mul", "div", "add", "sub", "masked_fill", "where", "float", "half", "bfloat16", "to", "type_as", "contiguous", "clone")
+_CHAIN_OPS = ("mul", "div", "add", "sub", "masked_fill", "where", "float", "half", "bfloat16", "to", "type_as", "contiguous",
+              "clone", "tanh")
+
+
+def _softcap(ops: list) -> Union[float, str]:
+    """The softcap c of the chain ops (top-down, as `_chain` lists them), 0.0 without a tanh.
+
+    Gemma 2 / Grok: `c * tanh(s / c)` on the scaled scores s, before the masks. Positive constant
+    factors distribute over the masks and the bias, so every const scale above the tanh (the
+    "multiply back") multiplies the cap and every one below scales the scores inside it: the
+    scores are A·tanh(B·qk) = cap·tanh(qk·scale / cap) with cap = A and scale = A·B, which is
+    the product of all the factors, what `read_masks` computes anyway. So `tanh(s / c) * c`,
+    `c * tanh(s * (1 / c))`, `tanh(s / a) * b` (cap b, scores scaled by b / a) and a bare
+    `tanh(s)` (cap 1) are all softcaps. Not one (refused): a tanh over masked, biased or shifted
+    scores (it squashes the mask: -inf becomes -c, a visible key), a run-time factor after the
+    tanh (the op takes a constant cap), two tanhs."""
+    at = [i for i, op in enumerate(ops) if op[0] == "tanh"]
+    if not at:
+        return 0.0
+    if len(at) > 1:
+        return "tanh applied to the scores twice (a softcap of a softcap)"
+    i = at[0]
+    if any(op[0] not in ("scale", "cast", "split_batch") for op in ops[i + 1:]):
+        return ("the softcap (tanh) is applied after a mask, a bias or a constant shift of the scores, "
+                "not to the scaled scores alone")
+    cap = 1.0
+    for op in ops[:i]:
+        if op[0] != "scale":
+            continue
+        (how, f), divide = op[1], op[2]
+        if how != "const":
+            return f"the softcapped scores are multiplied by a run-time value ({_describe(f)}), not a constant cap"
+        cap = cap / f if divide else cap * f
+    if not (cap > 0 and math.isfinite(cap)):
+        return f"softcap with a cap of {cap:g} (the op takes a positive one)"
+    return cap
 
 
 def _scale_factor(x: Any) -> Optional[tuple[str, Any]]:
@@ -552,13 +593,16 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     if isinstance(r, str):
         return r
     scores, ops, chain_nodes = r
+    softcap = _softcap(ops)
+    if isinstance(softcap, str):
+        return softcap
     narrowed = _narrowing_cast([scores] + list(reversed(chain_nodes)) + [softmax])
     if narrowed is not None:
         return narrowed
     # scores computed over merged (batch, heads): the chain below the split is 3-D, and only scales it
     split = next((i for i, op in enumerate(ops) if op[0] == "split_batch"), None)
     merged_nodes = chain_nodes[split + 1:] if split is not None else []
-    if split is not None and any(op[0] not in ("scale", "cast", "const") for op in ops[split + 1:]):
+    if split is not None and any(op[0] not in ("scale", "cast", "const", "tanh") for op in ops[split + 1:]):
         return "a mask is applied to the scores while batch and heads are merged"
     ss = shape(chain_nodes[split] if split is not None else scores)
     r = _product(scores, heads=ss[:2] if split is not None else None)
@@ -606,7 +650,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     if qd not in _DTYPES:
         return f"dtype {qd} (the op takes fp16, bf16, fp32, fp64)"
     # ---------------------------------------------------------------- scale and masks
-    r = read_masks(ops, ss, lq, lk)
+    r = read_masks([op for op in ops if op[0] != "tanh"], ss, lq, lk)
     if isinstance(r, str):
         return r
     r2 = causal_or_bias(r)
@@ -635,7 +679,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     return AttentionSite(
         softmax=softmax, scores=scores, output=pv, q=q, k=k, v=v, rank=rank,
         scale=qk_scale * scale, scale_nodes=scale_nodes, bias_parts=bias_parts,
-        is_causal=is_causal, causal_note=causal_note, kv_groups=groups,
+        is_causal=is_causal, causal_note=causal_note, kv_groups=groups, softcap=softcap,
         out_ops=out_ops, matched=matched, notes=notes, dropout_p=dropout_p,
     )
 
@@ -685,7 +729,9 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
             # A fresh seed per call from torch's RNG: the op's forward and backward draw the same mask.
             seed = (b.factory(site.q.node, torch.randint, 0, 2**62, (), dtype=torch.int64,
                               device=_device(site.q.node)),)
-        op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed)
+        softcap = {"softcap": float(site.softcap)} if site.softcap else {}
+        op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
+                        **softcap)
         out = b.function(operator.getitem, op, 0)
         for _ in range(4 - site.rank):
             out = b.method("squeeze", out, 0)
@@ -718,6 +764,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         parts.append(f"GQA: k/v un-repeated ({site.kv_groups} q heads per kv head)")
     if site.dropout_p:
         parts.append(f"dropout p={site.dropout_p:g} in the kernel")
+    if site.softcap:
+        parts.append(f"softcap={site.softcap:g}")
     if site.rank < 4:
         parts.append(f"{site.rank}-D")
     parts += site.notes

@@ -79,6 +79,7 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "tril": (("input", _NO_DEFAULT), ("diagonal", 0)),
     "triu": (("input", _NO_DEFAULT), ("diagonal", 0)),
     "bool": (("input", _NO_DEFAULT),),
+    "tanh": (("input", _NO_DEFAULT),),
 }
 
 # call_function targets whose canonical name is not simply their __name__.

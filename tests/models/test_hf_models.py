@@ -149,6 +149,25 @@ FAMILIES = [
     # 2 encoder self attentions + 2 decoder self attentions + 2 cross attentions
     Family("t5", _t5, attention=6, rotary=0, rope_attention=0, kind="encoder-decoder"),
 ]
+
+
+# Gemma 2 (issue 14, softcap): attention logit softcapping (tanh(s / c) * c between the scaling and
+# the mask) goes into the op's softcap; final_logit_softcapping (on the LM logits, no softmax) stays
+# eager. Layers alternate sliding-window (window 4 < SEQ: the window mask hides keys) and full
+# attention. MQA, head_dim 16, query_pre_attn_scalar 16, q/k projections scaled up so the cap bites. rope_attention has no softcap, so the
+# rotary stays a separate fused rotary op next to each attention (rope_attention 0).
+def _gemma2():
+    cfg = _decoder_config(transformers.Gemma2Config, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                          attn_logit_softcapping=5.0, final_logit_softcapping=3.0, sliding_window=4)
+    model = _model(transformers.Gemma2ForCausalLM, cfg)
+    with torch.no_grad():  # scores of several times the cap (random init gives |s| << 1: tanh(s/c)·c ≈ s)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40.0)
+            layer.self_attn.k_proj.weight.mul_(40.0)
+    return model
+
+
+FAMILIES.append(Family("gemma2", _gemma2, attention=2, rotary=4, rope_attention=0))
 KINDS = ("attention", "rotary", "rope_attention")
 
 
