@@ -90,7 +90,9 @@ def check_kernels(rows: list) -> None:
         bias = None
         if with_bias:
             bias = torch.zeros(B, 1, 1, L, device=DEVICE)
-            bias[0, ..., : L // 8] = torch.finfo(torch.float32).min  # left padding of batch 0
+            # left padding of batch 0, filled as HF fills it: finfo(model dtype).min (float32 min would
+            # round to -inf in bf16 and make those rows NaN in eager and here alike)
+            bias[0, ..., : L // 8] = torch.finfo(torch.bfloat16).min
             bias = bias.to(torch.bfloat16)
         dout = torch.randn(B, Hq, L, D, device=DEVICE).to(torch.bfloat16)
         b4 = bias.expand(B, Hq, L, L) if bias is not None else None
