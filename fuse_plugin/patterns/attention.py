@@ -146,7 +146,9 @@ def _product(node: fx.Node, heads: Optional[tuple] = None, with_input: bool = Fa
         k = _k_from_kt(kt)
         if isinstance(k, str):
             return k
+        a, fa = _strip_const_factors(a)
         a, rq = _strip_runtime_factors(a)
+        factor *= fa
         runtime += rq
         q = _Operand(a)
     if heads is not None:
