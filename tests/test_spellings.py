@@ -3,7 +3,7 @@ near miss left alone, and a differential check (compiled with our rewrite + AOTA
 eager: the output and the gradient of every input and parameter, rows masked everywhere included).
 
   1. shape-only uses of the scores     DistilBERT (HF ≤ 4.x): `(mask == 0).view(...).expand_as(scores)`;
-                                       `scores.size(-1)` under dynamic shapes
+                                       `scores.size(-1)` under dynamic shapes (a graph input, no use)
   2. 3-D softmax between views         MBart / PLBart: bmm → view 4-D + mask → view 3-D → softmax → bmm;
                                        masks on the merged (B·H) scores carried to 4-D
   3. aten._safe_softmax                rows whose every score is -inf give 0 (forward and backward);
@@ -111,7 +111,7 @@ def expanded_mask_returned(q, k, v, keep):  # the expanded mask is also returned
     return F.softmax(scores.masked_fill(mask, FMIN), dim=-1) @ v, mask
 
 
-def sizes_read(q, k, v):  # the scores' last sizes read under dynamic shapes
+def sizes_read(q, k, v):  # the scores' sizes read under dynamic shapes: symbols (graph inputs), no use of the scores
     scores = q @ k.transpose(-2, -1) * 0.25
     scores = scores.view(-1, scores.size(-2), scores.size(-1)).view(q.shape[0], q.shape[1], scores.size(-2), -1)
     return F.softmax(scores, dim=-1) @ v
@@ -1078,7 +1078,11 @@ KPM = keep_keys().logical_not()  # key_padding_mask: True = not attended (partia
     (mha_head, lambda: (torch.randn(B, 1, 64), torch.randn(B, L, 64), KPM), 1),
     (mha_head, lambda: (torch.randn(B, 3, 64), torch.randn(B, L, 64), None), 1),
     (mha_weights_used, lambda: (torch.randn(B, 1, 64), torch.randn(B, L, 64), KPM), 0),
-], ids=["mha_pooling_head", "mha_no_mask", "mha_weights_used"])
+    (lambda m, p, x, am: m(p, x, x, attn_mask=am)[0],
+     lambda: (torch.randn(B, 3, 64), torch.randn(B, L, 64), torch.zeros(B * 4, 3, L).masked_fill(KPM[:, None, :].repeat_interleave(4, 0), float("-inf"))), 1),
+    (lambda m, p, x, am: m(p, x, x, attn_mask=am)[0],
+     lambda: (torch.randn(B, 3, 64), torch.randn(B, L, 64), torch.triu(torch.ones(3, L, dtype=torch.bool), 1)), 1),
+], ids=["mha_pooling_head", "mha_no_mask", "mha_weights_used", "mha_3d_float_mask", "mha_2d_bool_mask"])
 def test_differential_mha(fn, make, fused):
     differential(fn, *make(), fused=fused, module=new_mha())
 
@@ -1099,3 +1103,19 @@ def test_safe_softmax_rows_masked_everywhere_are_zero():
     assert torch.equal(out[0], torch.zeros_like(out[0])) and out[1].abs().sum() > 0
     out.sum().backward()
     assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0])) and torch.isfinite(k.grad).all()
+
+
+def test_mha_dropout_in_the_kernel_is_repeatable():
+    """nn.MultiheadAttention(dropout=0.2) in training: fused with the dropout in the op; the same
+    torch.manual_seed gives the same output, another seed another one."""
+    m = nn.MultiheadAttention(64, 4, batch_first=True, dropout=0.2).train()
+    probe, x = torch.randn(B, 3, 64), torch.randn(B, L, 64)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda p, x: m(p, x, x)[0], backend=rewrite_aot_eager)
+    outs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        outs.append(compiled(probe, x))
+    assert counters["fuse_plugin"]["attention"] == 1
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])

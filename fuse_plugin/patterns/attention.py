@@ -96,7 +96,6 @@ class AttentionSite:
     dropout_p: float = 0.0  # F.dropout(w, p, training=True) on the weights, done by the op
     safe: bool = False  # the softmax is _safe_softmax: rows whose every score is -inf give 0, not NaN
     created: list = field(default_factory=list)  # masks carried to the canonical shape (batch_views)
-    size_uses: list = field(default_factory=list)  # [(size node, 'q' | 'k')]: sizes of Lq / Lk read off the scores
 
 
 # =============================================================================== q·kᵀ and w·v
@@ -480,15 +479,9 @@ def _reaches_product(x: fx.Node, depth: int = 16) -> bool:
 
 def _shape_use_in_chain(u: fx.Node, x: fx.Node, chain: list) -> bool:
     """u reads only x's shape and goes away with the attention: `m.expand_as(x)` feeding only the
-    chain (a mask: the op is given m, which broadcasts the same), or `x.size(d)` of its last two dims
-    (Lq, Lk: read off q and k instead; a node only under dynamic shapes)."""
-    how = shape_only_use(u, x)
-    if how == "expand_as":
-        return bool(u.users) and all(n in chain for n in u.users)
-    if how == "size":
-        r = len(shape(x)) if shape(x) is not None else 0
-        return norm_dim(call_of(u)["dim"], r) in (r - 2, r - 1)
-    return False
+    chain (a mask: the op is given m, which broadcasts the same). (Sizes read under dynamic shapes
+    are no use of x in a Dynamo graph: they are symbols, graph inputs.)"""
+    return shape_only_use(u, x) == "expand_as" and bool(u.users) and all(n in chain for n in u.users)
 
 
 def _unexpanded(mask: Any) -> Any:
@@ -598,11 +591,9 @@ def _match_attention(softmax: fx.Node, created: list) -> Union[AttentionSite, st
     if dim is None or dim != len(s) - 1:
         return f"softmax over dim {c['dim']}, not the last dim"
     # ---------------------------------------------------------------- output side: w → w·v
-    w, between, dropout_p, size_uses = softmax, [], 0.0, []
+    w, between, dropout_p = softmax, [], 0.0
     while True:
-        sizes = [u for u in w.users if _shape_use_in_chain(u, w, [])]
-        size_uses += sizes
-        users = [u for u in w.users if u not in sizes]
+        users = list(w.users)
         if len(users) != 1:
             return "attention weights are used elsewhere (e.g. returned with output_attentions=True)"
         if written(w):
@@ -638,8 +629,6 @@ def _match_attention(softmax: fx.Node, created: list) -> Union[AttentionSite, st
     narrowed = _narrowing_cast([scores] + list(reversed(chain_nodes)) + [softmax])
     if narrowed is not None:
         return narrowed
-    for n in chain_nodes + [scores]:
-        size_uses += [u for u in n.users if shape_only_use(u, n) == "size" and _shape_use_in_chain(u, n, [])]
     # baddbmm(input, q, kᵀ, beta=1, alpha): its input is added to the scores (BLOOM's ALiBi)
     pc = call_of(scores)
     with_input = pc.name == "baddbmm" and constant_number(pc["beta"]) != 0
@@ -754,12 +743,8 @@ def _match_attention(softmax: fx.Node, created: list) -> Union[AttentionSite, st
             k, v, groups = _Operand(uk[0]), _Operand(uv[0]), uk[1]
     matched = list(dict.fromkeys([scores] + list(reversed(chain_nodes)) + [softmax] + between + [pv]))
     for n in matched:
-        if n is not pv and any(u not in matched and u not in size_uses and not _shape_use_in_chain(u, n, matched)
-                               for u in n.users):
+        if n is not pv and any(u not in matched and not _shape_use_in_chain(u, n, matched) for u in n.users):
             return f"{n.name} is also used outside the attention"
-    size_uses = list(dict.fromkeys(size_uses))
-    if size_uses and call_of(scores).name == "einsum":
-        return "sizes of the scores are read and the scores are an einsum"
     inputs = [q.node, k.node, v.node] + [n for n, _ in scale_nodes]
     inputs += [p.node if isinstance(p, BiasTerm) else p.mask for p in bias_parts]
     for n in inputs:
@@ -773,7 +758,7 @@ def _match_attention(softmax: fx.Node, created: list) -> Union[AttentionSite, st
         scale=qk_scale * scale, scale_nodes=scale_nodes, bias_parts=bias_parts,
         is_causal=is_causal, causal_note=causal_note, kv_groups=groups,
         out_ops=out_ops, matched=matched, notes=notes, dropout_p=dropout_p,
-        safe=c.name == "safe_softmax", created=created, size_uses=size_uses,
+        safe=c.name == "safe_softmax", created=created,
     )
 
 
@@ -848,19 +833,11 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
                 raise RuntimeError(f"replacement has shape {tuple(got.shape)}, eager {tuple(want.shape)}")
         elif dtype(q) is not None and want is not None and dtype(q) != want.dtype:
             out = b.method("to", out, want.dtype)
-        size_sources = _size_sources(site)
     except Exception:
         b.rollback()
         _erase_created(site.created)
         raise
     site.output.replace_all_uses_with(out)
-    for u in site.size_uses:  # Lq / Lk read off the scores: read them off q·kᵀ's operands instead
-        src, d = size_sources[_size_side(u)]
-        with gm.graph.inserting_before(u):
-            new = gm.graph.call_method("size", (src, d))
-        new.meta.update(u.meta)
-        u.replace_all_uses_with(new)
-        gm.graph.erase_node(u)
     # an in-place op among the matched nodes writes only into the matched scores: erased with them
     erase_dead(gm.graph, site.matched, with_dead_inputs=True)
     parts = [f"scale={site.scale:.6g}"]
@@ -880,22 +857,6 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         parts.append("_safe_softmax: rows masked everywhere give 0")
     parts += site.notes
     return ", ".join(parts)
-
-
-def _size_side(u: fx.Node) -> str:
-    """'q' when the size node u reads Lq (dim -2 of the scores), 'k' for Lk (dim -1)."""
-    x = call_of(u)["input"]
-    r = len(shape(x))
-    return "q" if norm_dim(call_of(u)["dim"], r) == r - 2 else "k"
-
-
-def _size_sources(site: AttentionSite) -> dict:
-    """Where Lq and Lk can be read before the scores exist: q·kᵀ's operands (q: Lq at -2; kᵀ: Lk at -1)."""
-    if not site.size_uses:
-        return {}
-    c = call_of(site.scores)
-    a, b = (c["batch1"], c["batch2"]) if c.name == "baddbmm" else (c["input"], c["other"] if c.name == "matmul" else c["mat2"])
-    return {"q": (a, -2), "k": (b, -1)}
 
 
 def _device(node: fx.Node) -> torch.device:

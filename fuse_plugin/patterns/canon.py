@@ -60,7 +60,6 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "reshape": (("input", _NO_DEFAULT), ("*shape", ())),
     "expand": (("input", _NO_DEFAULT), ("*sizes", ())),
     "expand_as": (("input", _NO_DEFAULT), ("other", _NO_DEFAULT)),
-    "size": (("input", _NO_DEFAULT), ("dim", None)),
     "contiguous": (("input", _NO_DEFAULT),),
     "to": (("input", _NO_DEFAULT), ("*args", ())),
     "type_as": (("input", _NO_DEFAULT), ("other", _NO_DEFAULT)),
@@ -361,15 +360,11 @@ def sole_user(node: fx.Node) -> fx.Node | None:
 
 def shape_only_use(user: fx.Node, node: fx.Node) -> Optional[str]:
     """How `user` reads nothing of `node` but its shape, if it does: 'expand_as' for
-    `y.expand_as(node)` (y ≠ node), 'size' for `node.size(d)` with a plain int d (a node only under
-    dynamic shapes; static sizes are constants in the graph). None for any other use."""
+    `y.expand_as(node)` (y ≠ node). None for any other use. (Sizes are constants in a Dynamo
+    graph, or symbols lifted to graph inputs under dynamic shapes: no use of the tensor.)"""
     c = canon(user)
-    if c is None:
-        return None
-    if c.name == "expand_as" and c["other"] is node and c["input"] is not node:
+    if c is not None and c.name == "expand_as" and c["other"] is node and c["input"] is not node:
         return "expand_as"
-    if c.name == "size" and c["input"] is node and isinstance(c["dim"], int) and not isinstance(c["dim"], bool):
-        return "size"
     return None
 
 

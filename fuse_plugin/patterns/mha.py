@@ -167,11 +167,9 @@ def _mask(b: NodeBuilder, a: dict, h: int, qdtype):
     if kpm is not None:
         parts.append((b.method("unsqueeze", b.method("unsqueeze", kpm, 1), 1), _mask_kind(kpm)))  # (N, 1, 1, S)
     if am is not None:
-        if len(shape(am)) == 3:
-            am_n = b.method("unflatten", am, 0, (-1, h))  # (N·H, L, S) → (N, H, L, S); (1, L, S) stays 3-D
-            parts.append((am_n if shape(am)[0] != 1 else am, _mask_kind(am)))
-        else:
-            parts.append((am, _mask_kind(am)))
+        if len(shape(am)) == 3:  # (N·H, L, S), as F.multi_head_attention_forward requires → (N, H, L, S)
+            am = b.method("unflatten", am, 0, (-1, h))
+        parts.append((am, _mask_kind(am)))
     if not parts:
         return None, ""
     if all(k == "bool" for _, k in parts):

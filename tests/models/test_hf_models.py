@@ -19,6 +19,13 @@ family, compiled against eager:
 GPT-2 runs twice: as configured by default, and with `reorder_and_upcast_attn=True`, whose scores
 are a baddbmm over merged (batch, heads) in fp32.
 
+The spellings of tests/test_spellings.py, in their families: Falcon's MQA (one kv head broadcast by
+the matmuls) and ALiBi (a 4-D view of the alibi, the weights viewed before · v), BLOOM's
+baddbmm(alibi, q, kᵀ) over merged heads with the weights viewed back to 3-D, DeBERTa-v2's
+disentangled bias (from q and k, with its gradient) added on merged heads before the padding fill,
+SigLIP's pooling head (nn.MultiheadAttention, weights dropped); DistilBERT, MBart, ESM and Whisper
+(transformers 5.x writes them with the shared eager attention function).
+
 Most families run through `helpers.rewrite_aot_eager` (our rewrite + AOTAutograd with the ops'
 autograd, eager kernels): the same graph Inductor would get, compiled in a fraction of the time.
 Llama and T5 also run through the real backend (Inductor on the CPU). One decoder compiles with a
@@ -351,7 +358,7 @@ def test_family_training_matches_eager(family, padding):
     check_family(family, padding)
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("family", ["llama", "t5", "bloom"])
 def test_family_inductor_backend(family):
     """The real backend (`backend="fuse_plugin"`: Inductor on the CPU), training with padding."""
     check_family(BY_NAME[family], padding=True, backend="fuse_plugin")
