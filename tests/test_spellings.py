@@ -52,9 +52,9 @@ def keep_keys(lk=L, masked_batch=None):
     return keep
 
 
-def additive(keep):
-    """(B, 1, 1, Lk) float: 0 where kept, finfo.min where not (HF's padding mask)."""
-    return torch.zeros(keep.shape, dtype=torch.float32).masked_fill(~keep, FMIN)[:, None, None, :]
+def additive(keep, dtype=torch.float32):
+    """(B, 1, 1, Lk): 0 where kept, finfo(dtype).min where not (HF's padding mask)."""
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)[:, None, None, :]
 
 
 def differential(fn, *inputs, fused: int, module=None, tol=1e-5, dynamic=None):
@@ -218,10 +218,11 @@ def deberta(q, k, v, pos_q, pos_k, keep, fill_last=True):
     p2c = torch.bmm(k3, pos_q.transpose(-1, -2)).transpose(-1, -2)
     rel = c2p[..., :l] / scale + p2c[..., :l, :] / scale
     keep4 = keep[:, None, :, None] & keep[:, None, None, :]
+    fmin = torch.finfo(q.dtype).min
     if fill_last:
-        s = (s + rel).view(-1, h, l, l).masked_fill(~keep4, FMIN)
+        s = (s + rel).view(-1, h, l, l).masked_fill(~keep4, fmin)
     else:  # near miss: the term added after the fill (a row masked everywhere mixes both)
-        s = s.view(-1, h, l, l).masked_fill(~keep4, FMIN) + rel.view(-1, h, l, l)
+        s = s.view(-1, h, l, l).masked_fill(~keep4, fmin) + rel.view(-1, h, l, l)
     p = F.dropout(F.softmax(s, dim=-1), p=0.0, training=True)
     out = torch.bmm(p.view(-1, l, l), v3)
     return out.view(-1, h, l, d)
@@ -1064,7 +1065,7 @@ def test_differential(fn, make, fused):
                                       (falcon_mqa, lambda: (*qkv(hkv=1), additive(keep_keys()))),
                                       (mbart, lambda: (*qkv(), additive(keep_keys())))], ids=["bloom", "falcon_mqa", "mbart"])
 def test_differential_half(fn, make, dtype):
-    differential(fn, *(t.to(dtype) for t in make()), fused=1, tol=1e-2)
+    differential(fn, *(t.to(dtype) for t in make()), fused=1, tol=1e-2)  # (no row masked everywhere)
 
 
 def test_differential_sizes_read_dynamic():
@@ -1119,3 +1120,59 @@ def test_mha_dropout_in_the_kernel_is_repeatable():
         outs.append(compiled(probe, x))
     assert counters["fuse_plugin"]["attention"] == 1
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+
+
+# =============================================================================== a seeded differential fuzzer
+
+import os  # noqa: E402
+import random  # noqa: E402
+
+
+def _fuzz_case(seed: int):
+    """One random attention in one of the spellings above: shapes (Lq ≠ Lk where the spelling allows),
+    padding with rows masked everywhere (finite fills and additive masks; -inf bool masks keep key 0,
+    but under _safe_softmax), float32 or a half dtype."""
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    lq, lk = rnd.randint(1, 12), rnd.randint(1, 12)
+    keep = torch.rand(B, lk, generator=g) > rnd.choice([0.2, 0.5])
+    if rnd.random() < 0.5:
+        keep[rnd.randrange(B)] = False  # a batch with no key: its rows are masked everywhere
+    partial = keep.clone()
+    partial[:, 0] = True  # -inf masks: at least key 0 left
+    dtype = rnd.choice([torch.float32, torch.float32, torch.bfloat16])
+    t = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    additive_ = lambda keep: additive(keep, dtype)  # noqa: E731  (finfo.min of the dtype, as HF builds it)
+    q, k, v = t(B, H, lq, D), t(B, H, lk, D), t(B, H, lk, D)
+    name = rnd.choice(["distilbert", "mbart", "masked_baddbmm", "safe", "falcon_mqa", "bloom", "falcon_alibi",
+                       "deberta"])
+    if name == "distilbert":
+        fn, args = distilbert, (q, k, v, keep)
+    elif name == "mbart":
+        fn, args = mbart, (q, k, v, additive_(keep))
+    elif name == "masked_baddbmm":
+        fn, args = masked_merged_baddbmm, (q, k, v, t(B * H, lq, lk), partial)
+    elif name == "safe":
+        fn, args = safe_aten, (q, k, v, keep)
+    elif name == "falcon_mqa":
+        fn, args = falcon_mqa, (q, k[:, :1], v[:, :1], additive_(keep))
+    elif name == "bloom":
+        fn, args = bloom, (q, k, v, alibi_slopes(B, H, keep), additive_(keep))
+    elif name == "falcon_alibi":
+        fn, args = falcon_alibi, (q, k, v, alibi_slopes(B, H, keep), additive_(keep))
+    else:  # self attention only
+        keep = keep[:, :lq] if lq <= lk else torch.cat([keep, keep.new_ones(B, lq - lk)], 1)
+        fn, args = deberta, (q, t(B, H, lq, D), t(B, H, lq, D), t(B * H, 2 * lq, D), t(B * H, 2 * lq, D), keep)
+    args = tuple(a.to(dtype) if a.is_floating_point() else a for a in args)
+    return name, fn, args, (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+FUZZ_CASES = int(os.environ.get("FUSE_PLUGIN_SPELLING_FUZZ", "16"))
+
+
+@pytest.mark.parametrize("seed", range(FUZZ_CASES))
+def test_spelling_fuzz(seed):
+    """Compiled vs eager, output and every gradient, on random cases of the spellings (16 in CI;
+    FUSE_PLUGIN_SPELLING_FUZZ=500 for more). Every case must fuse (1 site) and agree."""
+    name, fn, args, tol = _fuzz_case(seed)
+    differential(fn, *args, fused=1, tol=tol)
