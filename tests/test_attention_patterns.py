@@ -826,7 +826,7 @@ fused: scale=0.25, is_causal (tril/triu mask), bias: additive mask""")
 13 matmul(#12, #3)
 14 output (#13)
 --- after: unchanged ---
-not fused: a finite masked_fill/where (value -3.40282e+38) together with an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
+not fused: a finite masked_fill/where (value -3.40282e+38) followed by an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
 
     def test_bottom_right_causal_is_not_is_causal(self):
         def f(q, k, v):  # a KV-cache step: query i sees keys <= i + (Lk - Lq)
@@ -1192,10 +1192,10 @@ not fused: k operand is permute(0, 2, 3, 1) of k, not a transpose of its last tw
 --- after: unchanged ---
 not fused: k operand is transpose(1, 2) of k, not a transpose of its last two dims""")
 
-    def test_negative_baddbmm_adds_its_input(self):
-        def f(q, k, v, bias):  # beta=1: the baddbmm input is a bias on the scores, not scratch space
+    def test_negative_baddbmm_scales_its_input(self):
+        def f(q, k, v, bias):  # beta=0.5: the baddbmm input is a scaled bias (beta=1, ALiBi: tests/test_spellings.py)
             b, h, l, d = q.shape
-            w = torch.baddbmm(bias, q.reshape(-1, l, d), k.reshape(-1, l, d).transpose(1, 2), beta=1, alpha=0.25)
+            w = torch.baddbmm(bias, q.reshape(-1, l, d), k.reshape(-1, l, d).transpose(1, 2), beta=0.5, alpha=0.25)
             return torch.matmul(F.softmax(w.view(b, h, l, l), dim=-1), v)
 
         self.assertExpectedInline(rewrite_listing(f, *qkv(), randn(B * H, L, L)), """\
@@ -1206,13 +1206,13 @@ not fused: k operand is transpose(1, 2) of k, not a transpose of its last two di
 4 reshape(#0, (-1, 8, 16))
 5 reshape(#1, (-1, 8, 16))
 6 transpose(#5, 1, 2)
-7 baddbmm(#2, #4, #6, 1, 0.25)
+7 baddbmm(#2, #4, #6, 0.5, 0.25)
 8 view(#7, (2, 4, 8, 8))
 9 softmax(#8, -1, 3, None)
 10 matmul(#9, #3)
 11 output (#10)
 --- after: unchanged ---
-not fused: baddbmm with beta=1 adds its input to the scores""")
+not fused: baddbmm with beta=0.5 scales the bias it adds""")
 
     def test_negative_merged_product_of_3d_inputs(self):
         def f(q3, k3, v):  # 3-D q, k that are no view of 4-D tensors: nothing to pass as 4-D q and k
@@ -1232,8 +1232,8 @@ not fused: baddbmm with beta=1 adds its input to the scores""")
 --- after: unchanged ---
 not fused: the scores are computed with batch and heads merged and split again, but the product's operands are not 4-D q and k with those merged""")
 
-    def test_negative_mask_on_merged_scores(self):
-        def f(q, k, v, bias3):  # a (B·H, L, L) bias added before the split: no 4-D bias to pass the op
+    def test_mask_on_merged_scores_is_carried(self):
+        def f(q, k, v, bias3):  # a (B·H, L, L) bias added before the split: viewed as (B, H, L, L)
             b, h, l, d = q.shape
             w = torch.bmm(q.reshape(b * h, l, d), k.reshape(b * h, l, d).transpose(1, 2)) + bias3
             return torch.matmul(F.softmax(w.view(b, h, l, l), dim=-1), v)
@@ -1252,8 +1252,17 @@ not fused: the scores are computed with batch and heads merged and split again, 
 10 softmax(#9, -1, 3, None)
 11 matmul(#10, #3)
 12 output (#11)
---- after: unchanged ---
-not fused: a mask is applied to the scores while batch and heads are merged""")
+--- after ---
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (8, 8, 8)
+3 input (2, 4, 8, 16)
+4 unflatten(#2, 0, (2, 4))
+5 fuse_plugin.attention(#0, #1, #3, #4, 0, False, 1)
+6 getitem(#5, 0)
+7 output (#6)
+--- report ---
+fused: scale=1, bias: additive mask""")
 
     def test_negative_weights_returned(self):
         def f(q, k, v):  # output_attentions=True

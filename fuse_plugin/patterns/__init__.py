@@ -5,6 +5,8 @@ every subgraph its higher-order ops hold (activation checkpointing, invoke_subgr
 and returns a `Report` (sites name the subgraph they are in). Rotary runs first, so that attention sees the rotary ops feeding q and k; then
 a rotary q+k pair that feeds only an attention is folded into it (`rope_attention`).
 
+    mha.py             nn.MultiheadAttention (one F.multi_head_attention_forward node) → projections + attention
+    batch_views.py     views of the scores' batch dims between q·kᵀ and the softmax; masks carried across them
     attention.py       the attention recogniser (q·kᵀ, the chain to the softmax, w·v, GQA; replace)
     rope_attention.py  rotary_qk → attention becomes one rope_attention (rotation in the kernel)
     attention_bias.py  the scale and masks of the scores → scale, is_causal and one bias
@@ -47,9 +49,10 @@ def rewrite(gm: fx.GraphModule) -> Report:
 
 
 def _rewrite_graph(gm: fx.GraphModule, report: Report) -> None:
-    from . import attention, rope_attention, rotary  # the pattern modules import the ops
+    from . import attention, mha, rope_attention, rotary  # the pattern modules import the ops
 
     fused = len(report.sites)
+    mha.rewrite(gm, report)  # nn.MultiheadAttention: one node in Dynamo's graph (patterns/mha.py)
     rotary.rewrite(gm, report)
     attention.rewrite(gm, report)
     if settings.rope_attention_enabled():

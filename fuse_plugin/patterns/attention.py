@@ -42,10 +42,12 @@ from torch import fx
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
 from .attention_bias import BiasTerm, build_bias, causal_or_bias, read_masks, zero_filled_rows
+from .batch_views import batch_view, carry_mask
 from .canon import (Call, call_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape, is_identity,
-                    is_in_place_form, known_equal, mutates, norm_dim, same_shape, shape, size_in_range, written)
+                    is_in_place_form, known_equal, mutates, norm_dim, same_shape, shape, shape_only_use, size_in_range,
+                    tensor_meta, written)
 from .causal_mask import constant_number
-from .graph_edit import NodeBuilder, erase_dead, graph_fake_mode
+from .graph_edit import NodeBuilder, erase_dead, fake_mode_of, graph_fake_mode
 from .report import Report
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,8 @@ class AttentionSite:
     matched: list  # the nodes from scores to output, erased when dead
     notes: list = field(default_factory=list)
     dropout_p: float = 0.0  # F.dropout(w, p, training=True) on the weights, done by the op
+    safe: bool = False  # the softmax is _safe_softmax: rows whose every score is -inf give 0, not NaN
+    created: list = field(default_factory=list)  # masks carried to the canonical shape (batch_views)
 
 
 # =============================================================================== q·kᵀ and w·v
@@ -105,12 +109,14 @@ def _is_product(node: Any) -> bool:
     return c is not None and c.name in ("matmul", "bmm", "baddbmm", "einsum")
 
 
-def _product(node: fx.Node, heads: Optional[tuple] = None) -> Union[tuple, str]:
-    """The q·kᵀ product: (q, k, constant scale folded from q and k). With `heads` = (B, H), the
-    product is 3-D over merged batch and heads (`_split_batch`): q and kᵀ are read from the 4-D
-    tensors they were merged from."""
+def _product(node: fx.Node, heads: Optional[tuple] = None, with_input: bool = False) -> Union[tuple, str]:
+    """The q·kᵀ product: (q, k, constant scale folded from q and k, run-time factors [(node,
+    divide)] on q or k). With `heads` = (B, H), the product is 3-D over merged batch and heads
+    (`batch_views`): q and kᵀ are read from the 4-D tensors they were merged from. `with_input`: a
+    baddbmm's input is taken as a bias (beta=1) by the caller."""
     c = call_of(node)
     factor = 1.0
+    runtime: list = []
     if c.name == "einsum":
         terms = _einsum_terms(c)
         if terms is None:
@@ -123,7 +129,7 @@ def _product(node: fx.Node, heads: Optional[tuple] = None) -> Union[tuple, str]:
         q, k = _permuted(a, ta, batch + [i] + contracted), _permuted(b, tb, batch + [j] + contracted)
     else:
         if c.name == "baddbmm":  # beta·input + alpha·(q·kᵀ); with beta = 0 the input is ignored
-            if constant_number(c["beta"]) != 0:
+            if constant_number(c["beta"]) != 0 and not with_input:
                 return f"baddbmm with beta={c['beta']} adds its input to the scores"
             alpha = _scale_factor(c["alpha"])
             if alpha is None or alpha[0] != "const":
@@ -136,10 +142,16 @@ def _product(node: fx.Node, heads: Optional[tuple] = None) -> Union[tuple, str]:
         if len(shape(a)) < 2 or len(shape(b)) < 2:
             return "q·kᵀ operands are not matrices"
         kt, f = _strip_const_factors(b)
-        factor *= f
+        kt, runtime = _strip_runtime_factors(kt)
+        kt, f2 = _strip_const_factors(kt)
+        factor *= f * f2
         k = _k_from_kt(kt)
         if isinstance(k, str):
             return k
+        a, fa = _strip_const_factors(a)
+        a, rq = _strip_runtime_factors(a)
+        factor *= fa
+        runtime += rq
         q = _Operand(a)
     if heads is not None:
         q, k = _merged_operand(q, heads), _merged_operand(k, heads)
@@ -152,7 +164,31 @@ def _product(node: fx.Node, heads: Optional[tuple] = None) -> Union[tuple, str]:
     if not k.ops:
         kn, f = _strip_const_factors(k.node)
         k, factor = _Operand(kn), factor * f
-    return q, k, factor
+    return q, k, factor, runtime
+
+
+def _strip_runtime_factors(node: Any) -> tuple[Any, list]:
+    """(x, [(t, divide)]) for node = x * t or x / t with t a run-time 0-d float (DeBERTa-v2's
+    `kᵀ / scale.to(dtype)`, scale = sqrt(tensor(d) * f)): the factor scales every score, so it goes
+    to q with the other run-time scales."""
+    out = []
+    while True:
+        c = call_of(node)
+        if c is None or is_in_place_form(node) or written(node) or c.name not in ("mul", "div"):
+            return node, out
+        a, b = c["input"], c["other"]
+        if c.name == "div" and c["rounding_mode"] is not None:
+            return node, out
+        fb = _scale_factor(b)
+        fa = _scale_factor(a) if c.name == "mul" else None
+        if fb is not None and fb[0] == "node" and isinstance(a, fx.Node) and _scale_factor(a) is None:
+            out.append((fb[1], c.name == "div"))
+            node = a
+        elif fa is not None and fa[0] == "node" and isinstance(b, fx.Node) and fb is None:
+            out.append((fa[1], False))
+            node = b
+        else:
+            return node, out
 
 
 def _einsum_terms(c: Call):
@@ -348,15 +384,16 @@ def _chain(x: fx.Node, softmax: fx.Node, after: list) -> Union[tuple, str]:
         if written(x, allowed=user if is_in_place_form(user) else None):
             writers = [u.name for u in x.users if u is not user and mutates(u, x)]
             return f"{x.name} is changed in place ({', '.join(writers)}) before the softmax reads it"
-        if len([u for u in x.users if not (u in after and _dtype_only_user(u, x))]) != 1:
+        if len([u for u in x.users if not (u in after and _dtype_only_user(u, x))
+                and not _shape_use_in_chain(u, x, nodes)]) != 1:
             return f"the scores feeding the softmax ({x.name}) are also used elsewhere"
         if _is_product(x):
             return x, ops, nodes
-        merged = _split_batch(x)
-        if merged is not None and _reaches_product(merged) and not any(op[0] == "split_batch" for op in ops):
+        viewed = batch_view(x)
+        if viewed is not None and _reaches_product(viewed):
             nodes.append(x)
-            ops.append(("split_batch",))
-            user, x = x, merged
+            ops.append(("batch_view", x))
+            user, x = x, viewed
             continue
         c = call_of(x)
         if c is None:
@@ -397,7 +434,7 @@ def _chain(x: fx.Node, softmax: fx.Node, after: list) -> Union[tuple, str]:
             if constant_number(other) is not None:
                 ops.append(("const",))  # adding a constant does not change a softmax
             elif isinstance(other, fx.Node) and isinstance(example_value(other), torch.Tensor):
-                ops.append(("add", other, name == "sub"))
+                ops.append(("add", _unexpanded(other), name == "sub"))
             else:
                 return f"the scores get {_describe(other)} added"
             nxt = chain_in
@@ -408,16 +445,16 @@ def _chain(x: fx.Node, softmax: fx.Node, after: list) -> Union[tuple, str]:
             v = constant_number(c["value"])
             if v is None:
                 return f"masked_fill with a non-constant value ({_describe(c['value'])})"
-            ops.append(("fill", c["mask"], True, float(v)))
+            ops.append(("fill", _unexpanded(c["mask"]), True, float(v)))
             nxt = c["input"]
         elif name == "where":
             cond, a, b = c["condition"], c["input"], c["other"]
             va, vb = constant_number(a), constant_number(b)
             if vb is not None and isinstance(a, fx.Node):
-                ops.append(("fill", cond, False, float(vb)))
+                ops.append(("fill", _unexpanded(cond), False, float(vb)))
                 nxt = a
             elif va is not None and isinstance(b, fx.Node):
-                ops.append(("fill", cond, True, float(va)))
+                ops.append(("fill", _unexpanded(cond), True, float(va)))
                 nxt = b
             else:
                 return "torch.where between the scores and a tensor, not a constant mask value"
@@ -434,8 +471,8 @@ def _reaches_product(x: fx.Node, depth: int = 16) -> bool:
         return False
     if _is_product(x):
         return True
-    if _split_batch(x) is not None:
-        return _reaches_product(_split_batch(x), depth - 1)
+    if batch_view(x) is not None:
+        return _reaches_product(batch_view(x), depth - 1)
     c = call_of(x)
     if c is None or c.name not in _CHAIN_OPS:
         return False
@@ -444,6 +481,22 @@ def _reaches_product(x: fx.Node, depth: int = 16) -> bool:
     else:
         cands = [c["input"]] + ([c["other"]] if c.name in ("mul", "add") else [])
     return any(isinstance(n, fx.Node) and _reaches_product(n, depth - 1) for n in cands)
+
+
+def _shape_use_in_chain(u: fx.Node, x: fx.Node, chain: list) -> bool:
+    """u reads only x's shape and goes away with the attention: `m.expand_as(x)` feeding only the
+    chain (a mask: the op is given m, which broadcasts the same). (Sizes read under dynamic shapes
+    are no use of x in a Dynamo graph: they are symbols, graph inputs.)"""
+    return shape_only_use(u, x) == "expand_as" and bool(u.users) and all(n in chain for n in u.users)
+
+
+def _unexpanded(mask: Any) -> Any:
+    """m for mask = m.expand_as(s): the op broadcasts m itself (DistilBERT's
+    `(mask == 0).view(...).expand_as(scores)`); the expand_as dies with the scores."""
+    c = call_of(mask)
+    if c is not None and c.name == "expand_as" and isinstance(c["input"], fx.Node) and not written(mask):
+        return c["input"]
+    return mask
 
 
 _CHAIN_OPS = ("mul", "div", "add", "sub", "masked_fill", "where", "float", "half", "bfloat16", "to", "type_as", "contiguous",
@@ -468,7 +521,7 @@ def _softcap(ops: list) -> Union[float, str]:
     if len(at) > 1:
         return "tanh applied to the scores twice (a softcap of a softcap)"
     i = at[0]
-    if any(op[0] not in ("scale", "cast", "split_batch") for op in ops[i + 1:]):
+    if any(op[0] not in ("scale", "cast", "batch_view") for op in ops[i + 1:]):
         return ("the softcap (tanh) is applied after a mask, a bias or a constant shift of the scores, "
                 "not to the scaled scores alone")
     cap = 1.0
@@ -548,7 +601,28 @@ def _describe(x: Any) -> str:
 
 
 def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
-    """The attention around `softmax`, or why it is not one we can replace."""
+    """The attention around `softmax`, or why it is not one we can replace. Masks carried to the
+    canonical shape are new nodes (`site.created`); when the match fails they are taken out again,
+    so a near miss leaves the graph as it was."""
+    created: list = []
+    try:
+        site = _match_attention(softmax, created)
+    except BaseException:
+        _erase_created(created)
+        raise
+    if isinstance(site, str):
+        _erase_created(created)
+    return site
+
+
+def _erase_created(created: list) -> None:
+    for n in reversed(created):
+        if not getattr(n, "_erased", False) and not n.users:
+            n.graph.erase_node(n)
+    created.clear()
+
+
+def _match_attention(softmax: fx.Node, created: list) -> Union[AttentionSite, str]:
     c = call_of(softmax)
     x = c["input"]
     s = shape(x)
@@ -579,7 +653,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
                 if not 0 < p < 1:
                     return f"dropout p={p} (the op takes 0 <= p < 1)"
                 dropout_p = float(p)
-        elif cu is None or not (float_cast_dtype(cu) is not None or is_identity(cu)):
+        elif cu is None or not (float_cast_dtype(cu) is not None or is_identity(cu) or batch_view(u) is w):
             return f"softmax output feeds {_describe(u)}, not a product with v"
         between.append(u)
         w = u
@@ -599,25 +673,65 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     narrowed = _narrowing_cast([scores] + list(reversed(chain_nodes)) + [softmax])
     if narrowed is not None:
         return narrowed
-    # scores computed over merged (batch, heads): the chain below the split is 3-D, and only scales it
-    split = next((i for i, op in enumerate(ops) if op[0] == "split_batch"), None)
-    merged_nodes = chain_nodes[split + 1:] if split is not None else []
-    if split is not None and any(op[0] not in ("scale", "cast", "const", "tanh") for op in ops[split + 1:]):
-        return "a mask is applied to the scores while batch and heads are merged"
-    ss = shape(chain_nodes[split] if split is not None else scores)
-    r = _product(scores, heads=ss[:2] if split is not None else None)
+    # baddbmm(input, q, kᵀ, beta=1, alpha): its input is added to the scores (BLOOM's ALiBi)
+    pc = call_of(scores)
+    with_input = pc.name == "baddbmm" and constant_number(pc["beta"]) != 0
+    if with_input:
+        if constant_number(pc["beta"]) != 1:
+            return f"baddbmm with beta={pc['beta']} scales the bias it adds"
+        if tensor_meta(pc["input"]) is None:
+            return "the baddbmm input has no tensor metadata"
+        ops, chain_nodes = ops + [("add", pc["input"], False)], chain_nodes + [scores]
+    # regions: the shape of the scores where each chain op acts (views of the batch dims change it)
+    regions, region = [], shape(scores)
+    for op, n in reversed(list(zip(ops, chain_nodes))):
+        if op[0] == "batch_view":
+            region = shape(n)
+        regions.append(region)
+    regions.reverse()
+    for n, reg in zip(chain_nodes, regions):
+        if not same_shape(shape(n), reg):
+            return f"mask broadcasts the scores from {fmt_shape(reg)} to {fmt_shape(shape(n))}"
+    # the canonical shape the op computes in: the product's, or (B, H, Lq, Lk) where the product is
+    # over merged (B·H) and viewed so, with q and k merged from 4-D tensors
+    ps = shape(scores)
+    split = next((reg for reg in reversed(regions) if len(ps) == 3 and len(reg) == 4
+                  and known_equal(reg[0] * reg[1], ps[0]) and same_shape(reg[2:], ps[1:])), None)
+    ss = split if split is not None else ps
+    r = _product(scores, heads=ss[:2] if split is not None else None, with_input=with_input)
     if isinstance(r, str):
         return r
-    q, k, qk_scale = r
+    q, k, qk_scale, runtime_scale = r
     rank = len(ss)
     if rank not in (2, 3, 4):
         return f"scores of rank {rank} (only 2-D, 3-D and 4-D attention)"
-    for n in merged_nodes:
-        if not same_shape(shape(n), shape(scores)):
-            return f"the merged scores change shape from {fmt_shape(shape(scores))} to {fmt_shape(shape(n))}"
-    for n in [n for n in chain_nodes if n not in merged_nodes] + [x]:
-        if not same_shape(shape(n), ss):
-            return f"mask broadcasts the scores from {fmt_shape(ss)} to {fmt_shape(shape(n))}"
+    if not same_shape(shape(x), regions[0] if regions else ps):
+        return f"the softmax input {fmt_shape(shape(x))} is not the scores {fmt_shape(regions[0] if regions else ps)}"
+    # the weights times v in another shape (3-D over merged heads): v from its 4-D source, output flattened
+    wv = shape(w)
+    if not same_shape(wv, ss):
+        if not (split is not None and len(wv) == 3 and known_equal(wv[0], ps[0]) and same_shape(wv[1:], ss[2:])
+                and not v.ops and not out_ops):
+            return f"the weights are multiplied with v as {fmt_shape(wv)}, not as the scores {fmt_shape(ss)}"
+        v4 = _merged_from(v.node, ss[:2])
+        if v4 is None:
+            return "the weights are multiplied with v over merged (batch, heads), but v is no view of a 4-D tensor"
+        v, out_ops = _Operand(v4), (("flatten", 0, 1),)
+    # masks added in another region, carried to the canonical shape
+    fake_mode = graph_fake_mode(softmax.graph.owning_module) if softmax.graph.owning_module is not None else None
+    for i, (op, reg) in enumerate(zip(ops, regions)):
+        if op[0] not in ("add", "fill") or same_shape(reg, ss):
+            continue
+        m = op[1]
+        how = carry_mask(shape(m), reg, ss)
+        if isinstance(how, str):
+            return how
+        if how:
+            b = NodeBuilder(softmax.graph, chain_nodes[i], m, fake_mode or fake_mode_of(example_value(m)))
+            for meth, *a in how:
+                m = b.method(meth, m, *a)
+            created += b.created
+            ops[i] = (op[0], m) + tuple(op[2:])
     # ---------------------------------------------------------------- shapes and dtypes
     try:
         qv, kv, vv = q.value(), k.value(), v.value()
@@ -630,14 +744,17 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     batch = tuple(qv.shape[:-2])
     lq, d = qv.shape[-2], qv.shape[-1]
     lk, dv = kv.shape[-2], vv.shape[-1]
-    if not (same_shape(kv.shape[:-2], batch) and same_shape(vv.shape[:-2], batch)):
+    mqa = rank == 4 and _broadcast_mqa(qv.shape, kv.shape, vv.shape)
+    if not mqa and not (same_shape(kv.shape[:-2], batch) and same_shape(vv.shape[:-2], batch)):
         return f"q, k, v batch dims differ: {fmt_shape(qv.shape)}, {fmt_shape(kv.shape)}, {fmt_shape(vv.shape)}"
     if not (known_equal(kv.shape[-1], d) and known_equal(vv.shape[-2], lk)):
         return f"q, k, v shapes do not fit attention: {fmt_shape(qv.shape)}, {fmt_shape(kv.shape)}, {fmt_shape(vv.shape)}"
     if not same_shape(ss, batch + (lq, lk)):
         return f"scores {fmt_shape(ss)} are not q·kᵀ of q {fmt_shape(qv.shape)}, k {fmt_shape(kv.shape)}"
     pv_shape = batch + (lq, dv)
-    if out_ops:
+    if out_ops and out_ops[0][0] == "flatten":
+        pv_shape = (pv_shape[0] * pv_shape[1],) + pv_shape[2:]
+    elif out_ops:
         pv_shape = tuple(pv_shape[i] for i in out_ops[0][1:])
     if not same_shape(shape(pv), pv_shape):
         return f"output {fmt_shape(shape(pv))} is not weights·v {fmt_shape(pv_shape)}"
@@ -650,23 +767,27 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     if qd not in _DTYPES:
         return f"dtype {qd} (the op takes fp16, bf16, fp32, fp64)"
     # ---------------------------------------------------------------- scale and masks
-    r = read_masks([op for op in ops if op[0] != "tanh"], ss, lq, lk)
+    r = read_masks([op for op in ops if op[0] not in ("tanh", "batch_view")], ss, lq, lk)
     if isinstance(r, str):
         return r
     r2 = causal_or_bias(r)
     if isinstance(r2, str):
         return r2
     bias_parts, is_causal, causal_note, notes = r2
-    scale, scale_nodes = r.scale, r.scale_nodes
+    scale, scale_nodes = r.scale, runtime_scale + r.scale_nodes
     # ---------------------------------------------------------------- GQA
     groups = 1
-    if rank == 4:
+    if mqa:  # k and v of one head, broadcast over q's heads in the products (Falcon): GQA of one group
+        groups = qv.shape[1]
+        if not isinstance(groups, int):
+            return "k/v of one head broadcast over a symbolic number of q heads"
+    elif rank == 4:
         uk, uv = _unrepeat_kv(k), _unrepeat_kv(v)
         if uk is not None and uv is not None and uk[1] == uv[1] and known_equal(shape(uk[0])[1], shape(uv[0])[1]):
             k, v, groups = _Operand(uk[0]), _Operand(uv[0]), uk[1]
     matched = list(dict.fromkeys([scores] + list(reversed(chain_nodes)) + [softmax] + between + [pv]))
     for n in matched:
-        if n is not pv and any(u not in matched for u in n.users):
+        if n is not pv and any(u not in matched and not _shape_use_in_chain(u, n, matched) for u in n.users):
             return f"{n.name} is also used outside the attention"
     inputs = [q.node, k.node, v.node] + [n for n, _ in scale_nodes]
     inputs += [p.node if isinstance(p, BiasTerm) else p.mask for p in bias_parts]
@@ -681,7 +802,15 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
         scale=qk_scale * scale, scale_nodes=scale_nodes, bias_parts=bias_parts,
         is_causal=is_causal, causal_note=causal_note, kv_groups=groups, softcap=softcap,
         out_ops=out_ops, matched=matched, notes=notes, dropout_p=dropout_p,
+        safe=c.name == "safe_softmax", created=created,
     )
+
+
+def _broadcast_mqa(q: tuple, k: tuple, v: tuple) -> bool:
+    """k and v (B, 1, Lk, D) next to q (B, H, Lq, D): one kv head broadcast over q's heads by the
+    matmuls (Falcon's multi-query attention), i.e. GQA with a single kv head."""
+    return (known_equal(k[1], 1) and known_equal(v[1], 1) and not known_equal(q[1], 1)
+            and known_equal(k[0], q[0]) and known_equal(v[0], q[0]))
 
 
 def _narrowing_cast(nodes: list) -> Optional[str]:
@@ -733,6 +862,9 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
                         **softcap)
         out = b.function(operator.getitem, op, 0)
+        if site.safe:  # _safe_softmax: 0 in the rows whose every score is -inf (the op's lse is -inf there)
+            empty = b.method("unsqueeze", b.function(torch.isneginf, b.function(operator.getitem, op, 1)), -1)
+            out = b.function(torch.where, empty, 0.0, out)
         for _ in range(4 - site.rank):
             out = b.method("squeeze", out, 0)
         for m, *a in site.out_ops:
@@ -749,6 +881,7 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
             out = b.method("to", out, want.dtype)
     except Exception:
         b.rollback()
+        _erase_created(site.created)
         raise
     site.output.replace_all_uses_with(out)
     # an in-place op among the matched nodes writes only into the matched scores: erased with them
@@ -768,6 +901,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         parts.append(f"softcap={site.softcap:g}")
     if site.rank < 4:
         parts.append(f"{site.rank}-D")
+    if site.safe:
+        parts.append("_safe_softmax: rows masked everywhere give 0")
     parts += site.notes
     return ", ".join(parts)
 
@@ -790,7 +925,7 @@ def _build_operand(b: NodeBuilder, x: _Operand) -> fx.Node:
 
 def _is_softmax(node: fx.Node) -> bool:
     c = call_of(node)
-    return c is not None and c.name == "softmax"
+    return c is not None and c.name in ("softmax", "safe_softmax")
 
 
 def rewrite(gm: fx.GraphModule, report: Report) -> None:

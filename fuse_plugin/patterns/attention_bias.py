@@ -23,9 +23,10 @@ Fully masked rows, the cases (eager semantics, which the rewrite keeps):
   * finite fills (finfo.min, -1e9, -1e4, different ones mixed, with -inf ones): softmax over the
     fill values themselves (uniform over the largest), no gradient into q·kᵀ;
   * additive masks only: softmax of score + mask, with gradient (the op adds the bias the same way);
-  * a finite fill together with an additive mask: refused. In a row masked everywhere eager mixes
+  * an additive mask added after a finite fill: refused. In a row masked everywhere eager mixes
     filled scores (no gradient) and added ones (gradient) with tied values; the op can zero
-    a row's gradient or keep it, not both.
+    a row's gradient or keep it, not both. Added before every finite fill: the fills overwrite it
+    where they hold, the replayed bias too (and its gradient there is 0, as in eager).
 """
 from __future__ import annotations
 
@@ -217,9 +218,11 @@ def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list], str]:
     elif causal:
         notes.append(f"causal mask ({causal[0].source}) kept in the bias with its own values: "
                      "is_causal's -inf masking would change rows masked everywhere")
-    fill = next((p for p in parts if _finite_fill(p)), None)
-    if fill is not None and any(isinstance(p, BiasTerm) for p in parts):
-        return (f"a finite masked_fill/where (value {fill.value:g}) together with an additive mask: in a row "
+    # An additive term before every finite fill (DeBERTa-v2: q·kᵀ + disentangled bias, then the padding
+    # fill) is fine: a row the fills cover everywhere holds only fill values, as the replayed bias does.
+    at = next((i for i, p in enumerate(parts) if _finite_fill(p)), None)
+    if at is not None and any(isinstance(p, BiasTerm) for p in parts[at + 1:]):
+        return (f"a finite masked_fill/where (value {parts[at].value:g}) followed by an additive mask: in a row "
                 "masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)")
     return parts, is_causal, source, notes
 
@@ -299,7 +302,7 @@ def zero_filled_rows(b: NodeBuilder, q: fx.Node, parts: list) -> fx.Node:
     replace the scores). The op adds the bias (the fill values there) to q·kᵀ instead: a zero q
     row makes its scores exactly the bias, so the same weights, and no gradient into q or k.
     (With -inf fills only, such a row is NaN in the forward and the op's backward drops it.)
-    `causal_or_bias` refuses additive terms next to finite fills, so all the parts are fills."""
+    `causal_or_bias` refuses additive terms after finite fills: a row every fill covers holds only fill values."""
     fills = [p for p in parts if isinstance(p, MaskFill)]
     if not any(_finite_fill(p) for p in fills):
         return q

@@ -51,12 +51,15 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "logical_not": (("input", _NO_DEFAULT),),
     "invert": (("input", _NO_DEFAULT),),
     "softmax": (("input", _NO_DEFAULT), ("dim", None), ("dtype", None)),
+    # torch._safe_softmax / aten._safe_softmax: softmax, but 0 (not NaN) in rows whose every input is -inf
+    "safe_softmax": (("input", _NO_DEFAULT), ("dim", _NO_DEFAULT), ("dtype", None)),
     "dropout": (("input", _NO_DEFAULT), ("p", 0.5), ("training", True), ("inplace", False)),
     "transpose": (("input", _NO_DEFAULT), ("dim0", _NO_DEFAULT), ("dim1", _NO_DEFAULT)),
     "permute": (("input", _NO_DEFAULT), ("*dims", ())),
     "view": (("input", _NO_DEFAULT), ("*shape", ())),
     "reshape": (("input", _NO_DEFAULT), ("*shape", ())),
     "expand": (("input", _NO_DEFAULT), ("*sizes", ())),
+    "expand_as": (("input", _NO_DEFAULT), ("other", _NO_DEFAULT)),
     "contiguous": (("input", _NO_DEFAULT),),
     "to": (("input", _NO_DEFAULT), ("*args", ())),
     "type_as": (("input", _NO_DEFAULT), ("other", _NO_DEFAULT)),
@@ -104,6 +107,9 @@ _FUNCTION_NAMES: dict[Callable, str] = {
     torch.multiply: "mul",
     torch.subtract: "sub",
     torch.negative: "neg",
+    torch._safe_softmax: "safe_softmax",
+    torch.ops.aten._safe_softmax.default: "safe_softmax",
+    torch.ops.aten._safe_softmax: "safe_softmax",
 }
 # Method spellings that are another name for a canonical op.
 _METHOD_ALIASES = {"__matmul__": "matmul", "__mul__": "mul", "__truediv__": "div", "__add__": "add",
@@ -351,6 +357,16 @@ def norm_dim(dim: Any, ndim: int) -> int | None:
 
 def sole_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def shape_only_use(user: fx.Node, node: fx.Node) -> Optional[str]:
+    """How `user` reads nothing of `node` but its shape, if it does: 'expand_as' for
+    `y.expand_as(node)` (y ≠ node). None for any other use. (Sizes are constants in a Dynamo
+    graph, or symbols lifted to graph inputs under dynamic shapes: no use of the tensor.)"""
+    c = canon(user)
+    if c is not None and c.name == "expand_as" and c["other"] is node and c["input"] is not node:
+        return "expand_as"
+    return None
 
 
 # --------------------------------------------------------------------------- sizes (ints or SymInts)

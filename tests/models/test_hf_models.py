@@ -19,6 +19,13 @@ family, compiled against eager:
 GPT-2 runs twice: as configured by default, and with `reorder_and_upcast_attn=True`, whose scores
 are a baddbmm over merged (batch, heads) in fp32.
 
+The spellings of tests/test_spellings.py, in their families: Falcon's MQA (one kv head broadcast by
+the matmuls) and ALiBi (a 4-D view of the alibi, the weights viewed before · v), BLOOM's
+baddbmm(alibi, q, kᵀ) over merged heads with the weights viewed back to 3-D, DeBERTa-v2's
+disentangled bias (from q and k, with its gradient) added on merged heads before the padding fill,
+SigLIP's pooling head (nn.MultiheadAttention, weights dropped); DistilBERT, MBart, ESM and Whisper
+(transformers 5.x writes them with the shared eager attention function).
+
 Most families run through `helpers.rewrite_aot_eager` (our rewrite + AOTAutograd with the ops'
 autograd, eager kernels): the same graph Inductor would get, compiled in a fraction of the time.
 Llama and T5 also run through the real backend (Inductor on the CPU). One decoder compiles with a
@@ -59,7 +66,10 @@ class Family:
     attention: int  # attention sites per compiled graph
     rotary: int  # rotated tensors per compiled graph (q and k of each layer: 2 per layer)
     rope_attention: int  # rotary q+k pairs folded into their attention (fuse_plugin.rope_attention)
-    kind: str = "decoder"  # "decoder" (left padding) | "encoder" (right padding) | "encoder-decoder"
+    # "decoder" (left padding) | "encoder" (right padding) | "encoder-decoder" | "speech" (Whisper:
+    # input features, padding on the decoder side) | "text-image" (SigLIP: both towers, text padded)
+    kind: str = "decoder"
+    logits: Callable = lambda out: out.logits  # the output compared with eager
 
 
 def _decoder_config(cls, **extra):
@@ -134,6 +144,81 @@ def _t5():  # relative position bias (a learned additive bias: its gradient goes
     return _model(transformers.T5ForConditionalGeneration, cfg)
 
 
+def _distilbert():  # (HF ≤ 4.x spelled its mask `(mask == 0).view(...).expand_as(scores)`: tests/test_spellings.py)
+    cfg = transformers.DistilBertConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                                        max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, pad_token_id=0)
+    return _model(transformers.DistilBertForMaskedLM, cfg)
+
+
+def _mbart():
+    cfg = transformers.MBartConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                   decoder_ffn_dim=128, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                   activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                   decoder_start_token_id=2)
+    return _model(transformers.MBartForConditionalGeneration, cfg)
+
+
+def _falcon(**extra):
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    new_decoder_architecture=False, hidden_dropout=0.0, attention_dropout=0.0,
+                                    max_position_embeddings=64, bos_token_id=1, eos_token_id=2, **extra)
+    return _model(transformers.FalconForCausalLM, cfg)
+
+
+def _falcon_rope_mqa():  # rotary, one kv head broadcast over the 4 q heads by the matmuls
+    return _falcon(multi_query=True, alibi=False)
+
+
+def _falcon_alibi():  # ALiBi added as a 4-D view of (B·H, 1, Lk); the weights viewed before · v
+    return _falcon(multi_query=False, alibi=True)
+
+
+def _bloom():  # ALiBi through baddbmm(alibi, q, kᵀ) on merged heads, viewed 4-D, weights viewed back 3-D
+    cfg = transformers.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, hidden_dropout=0.0,
+                                   attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return _model(transformers.BloomForCausalLM, cfg)
+
+
+def _deberta_v2():  # disentangled attention: a (B·H, L, L) bias from q and k terms, with its gradient
+    cfg = transformers.DebertaV2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                       intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0, relative_attention=True,
+                                       pos_att_type=["p2c", "c2p"], max_relative_positions=32, position_buckets=16,
+                                       pad_token_id=0)
+    return _model(transformers.DebertaV2ForMaskedLM, cfg)
+
+
+def _siglip():  # text tower, vision tower and the vision tower's attention-pooling head (nn.MultiheadAttention)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, attention_dropout=0.0, pad_token_id=0)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8, attention_dropout=0.0)
+    return _model(transformers.SiglipModel, transformers.SiglipConfig(text_config=text, vision_config=vision))
+
+
+def _esm():  # rotary ESM (q scaled before the rotation)
+    cfg = transformers.EsmConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0, position_embedding_type="rotary", pad_token_id=0,
+                                 mask_token_id=1)
+    return _model(transformers.EsmForMaskedLM, cfg)
+
+
+def _whisper():
+    cfg = transformers.WhisperConfig(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                     decoder_ffn_dim=128, num_mel_bins=8, max_source_positions=8,
+                                     max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+                                     activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                     decoder_start_token_id=1, begin_suppress_tokens=None, suppress_tokens=None)
+    return _model(transformers.WhisperForConditionalGeneration, cfg)
+
+
+def _siglip_embeds(out):
+    return torch.cat([out.text_embeds, out.image_embeds, out.logits_per_image], dim=-1)
+
+
 FAMILIES = [
     Family("llama", _llama, attention=2, rotary=4, rope_attention=2),
     Family("mistral", _mistral, attention=2, rotary=4, rope_attention=2),
@@ -148,6 +233,17 @@ FAMILIES = [
     Family("bert", _bert, attention=2, rotary=0, rope_attention=0, kind="encoder"),
     # 2 encoder self attentions + 2 decoder self attentions + 2 cross attentions
     Family("t5", _t5, attention=6, rotary=0, rope_attention=0, kind="encoder-decoder"),
+    Family("distilbert", _distilbert, attention=2, rotary=0, rope_attention=0, kind="encoder"),
+    Family("mbart", _mbart, attention=6, rotary=0, rope_attention=0, kind="encoder-decoder"),
+    Family("falcon_rope_mqa", _falcon_rope_mqa, attention=2, rotary=4, rope_attention=2),
+    Family("falcon_alibi", _falcon_alibi, attention=2, rotary=0, rope_attention=0),
+    Family("bloom", _bloom, attention=2, rotary=0, rope_attention=0),
+    Family("deberta_v2", _deberta_v2, attention=2, rotary=0, rope_attention=0, kind="encoder"),
+    # 2 text + 2 vision layers + the pooling head's nn.MultiheadAttention (weights returned, unused)
+    Family("siglip", _siglip, attention=5, rotary=0, rope_attention=0, kind="text-image", logits=_siglip_embeds),
+    Family("esm", _esm, attention=2, rotary=4, rope_attention=2, kind="encoder"),
+    # 2 encoder self attentions (no mask) + 2 decoder self + 2 cross attentions
+    Family("whisper", _whisper, attention=6, rotary=0, rope_attention=0, kind="speech"),
 ]
 
 
@@ -180,8 +276,18 @@ def _inputs(family: Family, padding: bool, seq: int = SEQ) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(3, VOCAB, (BATCH, seq), generator=g)
     kwargs: dict = {"input_ids": ids}
-    if family.kind != "encoder":
+    if family.kind in ("decoder", "encoder-decoder", "speech"):
         kwargs["use_cache"] = False
+    if family.kind == "text-image":
+        kwargs["pixel_values"] = torch.randn(BATCH, 3, 32, 32, generator=g)
+    if family.kind == "speech":  # (B, mel bins, 2 · max_source_positions)
+        kwargs["input_features"] = torch.randn(BATCH, 8, 16, generator=g)
+        kwargs["decoder_input_ids"] = kwargs.pop("input_ids")
+        if padding:
+            dmask = torch.ones(BATCH, seq, dtype=torch.long)
+            dmask[1, seq - PAD:] = 0
+            kwargs["decoder_attention_mask"] = dmask
+        return kwargs
     if padding:
         mask = torch.ones(BATCH, seq, dtype=torch.long)
         if family.kind == "decoder":
@@ -227,8 +333,8 @@ def check_family(family: Family, padding: bool, backend=rewrite_aot_eager, train
     counting = PerGraphCounts(backend)
     compiled = torch.compile(model, backend=counting)
     with torch.set_grad_enabled(training):
-        ref = eager(**kwargs).logits
-        out = compiled(**kwargs).logits
+        ref = family.logits(eager(**kwargs))
+        out = family.logits(compiled(**kwargs))
     expected = _expected(family)
     assert counting.graphs == [expected], f"fused per graph: {counting.graphs}, expected {expected}"
     for k in KINDS:
@@ -271,7 +377,7 @@ def test_family_training_matches_eager(family, padding):
     check_family(family, padding)
 
 
-@pytest.mark.parametrize("family", ["llama", "t5"])
+@pytest.mark.parametrize("family", ["llama", "t5", "bloom"])
 def test_family_inductor_backend(family):
     """The real backend (`backend="fuse_plugin"`: Inductor on the CPU), training with padding."""
     check_family(BY_NAME[family], padding=True, backend="fuse_plugin")
