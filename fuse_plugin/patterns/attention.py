@@ -25,6 +25,11 @@ float32 additive bias that reproduces eager's fully-masked rows (uniform weights
 fills, NaN with -inf). GQA k/v repeated by HF `repeat_kv` or `repeat_interleave(n, 1)` are passed
 un-repeated (`_unrepeat_kv`).
 
+In-place writes: the op stands just before `out` and reads its inputs there, so an input written
+in place (a static KV cache's `index_copy_` / slice assignment) is taken when no write into it lies
+between the site's first read of it and the op (writes.py); in-place fills of the scores before the
+softmax (`x.masked_fill_(m, v)`, `x += bias`) are chain ops like their out-of-place forms.
+
 Every softmax that is not replaced is reported as a miss with its reason; an unexpected error in
 one site is reported as a miss and leaves the graph as it was (`rewrite`).
 """
