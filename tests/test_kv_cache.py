@@ -431,3 +431,59 @@ def test_generate_through_the_backend():
     assert counters["stats"]["unique_graphs"] == 2
     assert counters["fuse_plugin"]["attention"] == 2 * LAYERS
     assert torch.equal(out, ref)
+
+
+# --------------------------------------------------------------------------- rotary: the same order rule
+
+
+def _rotate_half(x):
+    return torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+
+
+def rotary_input_written_between_its_reads(q, k, cos, sin):  # near miss for q: q·cos reads q before the write
+    q_cos = q * cos
+    q.mul_(2)
+    return q_cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def rotary_input_written_before_the_attention(q, k, v, cos, sin):  # the fold into the attention would read 2q
+    qe, ke = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    q.mul_(2)
+    return F.softmax(qe @ ke.transpose(-2, -1) * 0.25, dim=-1) @ v
+
+
+def _rotary_inputs(n):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(B, H, 8, D, generator=g) for _ in range(n)] + [torch.randn(8, D, generator=g) for _ in range(2)]
+
+
+def test_rotary_input_written_between_its_reads():
+    """The rotary op stands at its output and reads x there: q written between `q * cos` and
+    `rotate_half(q)` is not a rotation of one tensor, left alone; k is fused."""
+    args = _rotary_inputs(2)
+    _, _, report = capture(rotary_input_written_between_its_reads, *[a.clone() for a in args])
+    assert report.count("rotary") == 1, report
+    (miss,) = [m.reason for m in report.misses if m.kind == "rotary"]
+    assert "l_q_ (an input of the rotary) is written in place by mul_" in miss, miss
+    eager_args, compiled_args = [a.clone() for a in args], [a.clone() for a in args]
+    torch._dynamo.reset()
+    ref = rotary_input_written_between_its_reads(*eager_args)
+    out = torch.compile(rotary_input_written_between_its_reads, backend=rewrite_aot_eager)(*compiled_args)
+    assert all(rel_err(o, r) <= 1e-6 for o, r in zip(out, ref))
+    assert torch.equal(compiled_args[0], eager_args[0])
+
+
+def test_rope_fold_refused_when_q_is_written_before_the_attention(monkeypatch):
+    """rope_attention would rotate the un-rotated q inside the attention, after `q.mul_(2)`: not folded
+    (rotary and attention stay fused separately), equal to eager."""
+    monkeypatch.setenv("FUSE_PLUGIN_ROPE_ATTENTION", "1")
+    args = _rotary_inputs(3)
+    _, _, report = capture(rotary_input_written_before_the_attention, *[a.clone() for a in args])
+    assert (report.count("rotary"), report.count("attention"), report.count("rope_attention")) == (2, 1, 0), report
+    (miss,) = [m.reason for m in report.misses if m.kind == "rope_attention"]
+    assert "l_q_ (an input of the rotary) is written in place by mul_" in miss, miss
+    eager_args, compiled_args = [a.clone() for a in args], [a.clone() for a in args]
+    torch._dynamo.reset()
+    ref = rotary_input_written_before_the_attention(*eager_args)
+    out = torch.compile(rotary_input_written_before_the_attention, backend=rewrite_aot_eager)(*compiled_args)
+    assert rel_err(out, ref) <= 1e-6

@@ -103,9 +103,9 @@ def write_between(operands: Iterable[fx.Node], site_nodes: list, at: fx.Node, or
     operands = list(dict.fromkeys(o for o in operands if isinstance(o, fx.Node)))
     nodes = list(at.graph.nodes)
     for x in operands:
-        first = first_read(x, entries, operands, site, order)
-        if first is None:
-            first = min((u for u in x.users if u in site), key=order.get, default=at)
+        through = first_read(x, entries, operands, site, order)
+        direct = [u for u in x.users if u in site]  # the site's own nodes reading x
+        first = min(direct + ([through] if through is not None else []), key=order.get, default=at)
         for w in nodes[order[first]:order[at]]:
             if any(may_alias(t, x) for t in written_by(w)):
                 return (f"{x.name} (an input of {op}) is written in place by {w.name} after {op} first reads it "
