@@ -72,7 +72,7 @@ def first_read(operand: fx.Node, entries: Iterable[fx.Node], stops: Iterable[fx.
     a repeat_kv reshape); the site reads the operand through the entries computed from it, along
     the nodes the matcher passed over (views, casts, copies), not through another operand of the
     op (`stops`: the attention of an earlier layer leads to this layer's q, not to its mask). None
-    when the site reads the operand itself only (then its own nodes read it first)."""
+    when no such path exists (`write_between` also takes the site's own nodes that read it)."""
     stops = set(stops) - {operand}
     site = set(site)
     limit = max((order[n] for n in site if n in order), default=-1)
