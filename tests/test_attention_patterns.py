@@ -1348,8 +1348,8 @@ fused: scale=0.25, dropout p=0.1 in the kernel""")
 --- after: unchanged ---
 not fused: dropout p=1.0 (the op takes 0 <= p < 1)""")
 
-    def test_negative_in_place_fill_and_non_mask_fill(self):
-        def in_place(q, k, v, m):  # the graph reads the scores before masked_fill_ writes them
+    def test_in_place_fill_and_negative_non_mask_fill(self):
+        def in_place(q, k, v, m):  # masked_fill_ writes the scores before the softmax reads them (tests/test_kv_cache.py)
             w = q @ k.transpose(-2, -1)
             w.masked_fill_(m, float("-inf"))
             return F.softmax(w, dim=-1) @ v
@@ -1369,8 +1369,17 @@ not fused: dropout p=1.0 (the op takes 0 <= p < 1)""")
 7 softmax(#5, -1, 3, None)
 8 matmul(#7, #3)
 9 output (#8)
---- after: unchanged ---
-not fused: w is changed in place (masked_fill_) before the softmax reads it""")
+--- after ---
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (8, 8)
+3 input (2, 4, 8, 16)
+4 logical_not(#2)
+5 fuse_plugin.attention(#1, #0, #3, #4, 0, False, 1)
+6 getitem(#5, 0)
+7 output (#6)
+--- report ---
+fused: scale=1, bias: bool mask""")
         self.assertExpectedInline(rewrite_listing(zero_fill, *qkv(), m), """\
 0 input (2, 4, 8, 16)
 1 input (2, 4, 8, 16)

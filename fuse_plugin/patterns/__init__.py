@@ -16,6 +16,8 @@ a rotary q+k pair that feeds only an attention is folded into it (`rope_attentio
     canon.py           one canonical Call per operation, metadata, SymInt-safe sizes, casts
     indexing.py        last-dim slices and indices, flatten of the last two dims
     graph_edit.py      new nodes with source lines and example values; erasing dead nodes
+    writes.py          in-place writes and the order of reads (KV caches, in-place fills): may an op
+                       placed at the output read its inputs there
     report.py          what a rewrite did: fused sites and near misses
 """
 from __future__ import annotations

@@ -26,6 +26,11 @@ float32 additive bias that reproduces eager's fully-masked rows (uniform weights
 fills, NaN with -inf). GQA k/v repeated by HF `repeat_kv` or `repeat_interleave(n, 1)` are passed
 un-repeated (`_unrepeat_kv`).
 
+In-place writes: the op stands just before `out` and reads its inputs there, so an input written
+in place (a static KV cache's `index_copy_` / slice assignment) is taken when no write into it lies
+between the site's first read of it and the op (writes.py); in-place fills of the scores before the
+softmax (`x.masked_fill_(m, v)`, `x += bias`) are chain ops like their out-of-place forms.
+
 Every softmax that is not replaced is reported as a miss with its reason; an unexpected error in
 one site is reported as a miss and leaves the graph as it was (`rewrite`).
 """
@@ -49,6 +54,7 @@ from .canon import (Call, call_of, dtype, example_value, float_cast_dtype, float
 from .causal_mask import constant_number
 from .graph_edit import NodeBuilder, erase_dead, fake_mode_of, graph_fake_mode
 from .report import Report
+from .writes import graph_order, write_between
 
 log = logging.getLogger(__name__)
 
@@ -380,12 +386,18 @@ def _chain(x: fx.Node, softmax: fx.Node, after: list) -> Union[tuple, str]:
     """Walk from the softmax input down to the q·kᵀ product: (product, ops top-down, nodes).
     `after`: the casts after the softmax, which may read a chain node's dtype (`.type_as(scores)`)."""
     ops, nodes, user = [], [], softmax
+    written_node, writes = None, []  # in-place writes into written_node still to walk, latest first
     while True:
-        if written(x, allowed=user if is_in_place_form(user) else None):
-            writers = [u.name for u in x.users if u is not user and mutates(u, x)]
-            return f"{x.name} is changed in place ({', '.join(writers)}) before the softmax reads it"
-        if len([u for u in x.users if not (u in after and _dtype_only_user(u, x))
-                and not _shape_use_in_chain(u, x, nodes)]) != 1:
+        if x is not written_node:
+            r = _writes_before_read(x, user, after)
+            if isinstance(r, str):
+                return r
+            if r:  # walk the writes (latest first) as chain ops, then x itself
+                written_node, writes = x, r
+        if x is written_node and writes:
+            x = writes.pop(0)
+        elif x is not written_node and len([u for u in x.users if not (u in after and _dtype_only_user(u, x))
+                                            and not _shape_use_in_chain(u, x, nodes)]) != 1:
             return f"the scores feeding the softmax ({x.name}) are also used elsewhere"
         if _is_product(x):
             return x, ops, nodes
@@ -463,6 +475,31 @@ def _chain(x: fx.Node, softmax: fx.Node, after: list) -> Union[tuple, str]:
         if not isinstance(nxt, fx.Node):
             return f"softmax input is not q·kᵀ: {_describe(x)} has no tensor input"
         user, x = x, nxt
+
+
+def _writes_before_read(x: fx.Node, user: fx.Node, after: list) -> Union[list, str]:
+    """The in-place writes into the scores x that the chain reads through `user` (`x.masked_fill_(m, v)`,
+    `x.mul_(s)`, `x += bias` before `softmax(x)`), latest first: eager applies them in graph order
+    before the read, as the out-of-place ops would be. [] when x is not written; why not, when a
+    write comes after the read, is not a chain op on x itself, or its result is read elsewhere."""
+    writers = [u for u in x.users if mutates(u, x)]
+    if not writers:
+        return []
+    readers = [u for u in x.users if u not in writers and not (u in after and _dtype_only_user(u, x))]
+    if readers != ([] if user in writers else [user]):
+        return f"the scores feeding the softmax ({x.name}) are also used elsewhere"
+    order = graph_order(x.graph)
+    late = [w.name for w in writers if order[w] > order[user]]
+    if late:
+        return f"{x.name} is changed in place ({', '.join(late)}) after the softmax chain reads it ({user.name})"
+    earlier = sorted((w for w in writers if w is not user), key=order.get, reverse=True)
+    for w in earlier:
+        c = call_of(w)
+        if not is_in_place_form(w) or c is None or c["input"] is not x:
+            return f"{x.name} is changed in place by {_describe(w)}, not by a mask fill or scale of the scores"
+        if w.users:
+            return f"the result of {_describe(w)} is also used elsewhere"
+    return earlier
 
 
 def _reaches_product(x: fx.Node, depth: int = 16) -> bool:
@@ -791,9 +828,9 @@ def _match_attention(softmax: fx.Node, created: list) -> Union[AttentionSite, st
             return f"{n.name} is also used outside the attention"
     inputs = [q.node, k.node, v.node] + [n for n, _ in scale_nodes]
     inputs += [p.node if isinstance(p, BiasTerm) else p.mask for p in bias_parts]
-    for n in inputs:
-        if written(n):
-            return f"{n.name} (an input of the attention) is changed in place"
+    why = write_between(inputs, matched, pv, graph_order(softmax.graph))  # the op stands just before pv
+    if why is not None:
+        return why
     for name, val in (("D", d), ("Dv", dv)):
         if not size_in_range(val, *HEAD_DIM_RANGE):
             return f"head dim {name}={val} outside the kernel's [{HEAD_DIM_RANGE[0]}, {HEAD_DIM_RANGE[1]}]"

@@ -42,6 +42,7 @@ from .canon import broadcasts_to, call_of, dtype, example_value, fmt_shape, is_i
 from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, causal_source, constant_number,
                           is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
+from .writes import written_since
 
 dtype_of = dtype  # (build_bias has a `dtype` argument)
 
@@ -244,7 +245,8 @@ def build_bias(b: NodeBuilder, parts: list, memo: dict, dtype: torch.dtype = tor
         ("t", p.node, p.negate, p.scale) if isinstance(p, BiasTerm) else ("f", p.mask, p.masked_when, p.value, p.scale)
         for p in parts
     ) + (dtype,)
-    if key in memo and precedes(memo[key][0], b.before):
+    if key in memo and precedes(memo[key][0], b.before) and not written_since(
+            [p.node if isinstance(p, BiasTerm) else p.mask for p in parts], memo[key][0], b.before):
         return memo[key]
     fills = [p for p in parts if isinstance(p, MaskFill)]
     if len(fills) == len(parts) and all(p.value == -math.inf for p in fills):
@@ -290,7 +292,8 @@ def _device(node: fx.Node) -> torch.device:
 def _negated(b: NodeBuilder, mask: fx.Node) -> fx.Node:
     """~mask, reusing x when mask is ~x."""
     c = call_of(mask)
-    if c is not None and c.name in ("logical_not", "invert") and dtype(c["input"]) == torch.bool and not written(mask):
+    if (c is not None and c.name in ("logical_not", "invert") and dtype(c["input"]) == torch.bool and not written(mask)
+            and not written_since([c["input"]], mask, b.before)):  # x read where the op stands: unchanged since ~x
         return c["input"]
     return b.function(torch.logical_not, mask)
 

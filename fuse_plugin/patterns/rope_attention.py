@@ -38,6 +38,7 @@ from ..ops import rope_attention as _rope_attention_op  # noqa: F401  (registers
 from .canon import call_of, dtype, example_value, float_cast_input, is_identity, known_equal, norm_dim, rank, written
 from .graph_edit import NodeBuilder, erase_dead, graph_fake_mode
 from .report import Report
+from .writes import graph_order, write_between
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +182,11 @@ def match(attention: fx.Node) -> Union[RopeSite, str, None]:
     cos, sin = _tables(q.op)[:2]
     if any(rank(t) is None or rank(t) > rank(q.x) for t in (cos, sin)):
         return "cos/sin of unknown rank or of a higher rank than q"
+    # the fold reads x and the tables at the attention, where the rotary op read them before
+    site_nodes = list(dict.fromkeys([q.op, k.op, q.out, k.out] + q.chain + k.chain + [attention]))
+    why = write_between([q.x, k.x, cos, sin], site_nodes, attention, graph_order(attention.graph), "the rotary")
+    if why is not None:
+        return why
     detail = f"{spelled} folded into the attention kernel"
     if q.perm != tuple(range(len(q.perm))):
         detail += f" (q/k and tables permuted {q.perm})"

@@ -63,6 +63,7 @@ from torch import fx
 from .canon import (broadcasts_to, canon, dtype, even_size, example_value, float_cast_input, forget_value_keys,
                     is_call, known_equal, rank, same_shape, same_value, shape, sole_user, tensor_meta)
 from .graph_edit import NodeBuilder, erase_dead, graph_fake_mode
+from .writes import write_between
 from .indexing import LastDimSlice, is_last_dim, last_dim_index, last_dim_slice, merges_last_two
 from .rotary_tables import COMPLEX_PART_DTYPE, Table, TablePlan, plan_table, trig_of
 
@@ -537,6 +538,10 @@ def replace(graph: fx.Graph, sites: list[RotarySite], done: dict[fx.Node, fx.Nod
     order = {n: i for i, n in enumerate(graph.nodes)}
     at = max((s.out for s in sites), key=order.get)
     first = sites[0]
+    # the op reads x and the tables' sources at `at`: no in-place write into them since the sites read them
+    site_nodes = [n for s in sites for n in (*s.interior, s.out)]
+    why = write_between([s.x for s in sites] + [first.cos.source, first.sin.source], site_nodes, at, order, "the rotary")
+    require(why is None, why)
     b = NodeBuilder(graph, at, first.anchor, fake_mode)
     try:
         memo: dict = {}
