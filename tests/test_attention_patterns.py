@@ -91,7 +91,8 @@ class ExpectTests(expecttest.TestCase):
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#1, #0, #2, None, 0, False, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25""")
 
@@ -116,7 +117,8 @@ fused: scale=0.25""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#1, #0, #2, None, 0, False, 0.125)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.125""")
 
@@ -143,7 +145,8 @@ fused: scale=0.125""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#0, #1, #2, None, 0, False, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25""")
 
@@ -173,7 +176,8 @@ fused: scale=0.25""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#0, #1, #2, None, 0, False, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25""")
 
@@ -198,7 +202,8 @@ fused: scale=0.25""")
 3 transpose(#1, -2, -1)
 4 fuse_plugin.attention(#0, #3, #2, None, 0, False, 0.25)
 5 getitem(#4, 0)
-6 output (#5)
+6 contiguous(#5)
+7 output (#6)
 --- report ---
 fused: scale=0.25""")
 
@@ -236,8 +241,9 @@ fused: scale=0.25""")
 9 fuse_plugin.attention(#6, #7, #8, None, 0, False, 0.25)
 10 getitem(#9, 0)
 11 squeeze(#10, 0)
-12 view(#11, (2, 4, 8, 16))
-13 output (#12)
+12 contiguous(#11)
+13 view(#12, (2, 4, 8, 16))
+14 output (#13)
 --- report ---
 fused: scale=0.25, 3-D""")
 
@@ -276,7 +282,8 @@ fused: scale=0.25, 3-D""")
 3 input (2, 4, 8, 16)
 4 fuse_plugin.attention(#0, #1, #3, #2, 0, False, 0.25)
 5 getitem(#4, 0)
-6 output (#5)
+6 contiguous(#5)
+7 output (#6)
 --- report ---
 fused: scale=0.25, bias: additive mask""")
 
@@ -305,7 +312,8 @@ fused: scale=0.25, bias: additive mask""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#0, #1, #2, None, 0, False, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25""")
 
@@ -329,7 +337,8 @@ fused: scale=0.25""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#0, #1, #2, None, 0, False, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25""")
 
@@ -358,7 +367,8 @@ fused: scale=0.25""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#1, #0, #2, None, 0, False, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25""")
         self.assertExpectedInline(rewrite_listing(t5, *qkv()), """\
@@ -376,7 +386,8 @@ fused: scale=0.25""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#1, #0, #2, None, 0, False, 1)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=1""")
 
@@ -403,7 +414,8 @@ fused: scale=1""")
 4 mul(#1, #2)
 5 fuse_plugin.attention(#4, #0, #3, None, 0, False, 1)
 6 getitem(#5, 0)
-7 output (#6)
+7 contiguous(#6)
+8 output (#7)
 --- report ---
 fused: scale=1, run-time scale applied to q""")
 
@@ -432,7 +444,8 @@ fused: scale=1, run-time scale applied to q""")
 3 input (2, 4, 8, 16)
 4 fuse_plugin.attention(#1, #0, #3, #2, 0, False, 0.25)
 5 getitem(#4, 0)
-6 output (#5)
+6 contiguous(#5)
+7 output (#6)
 --- report ---
 fused: scale=0.25, bias: additive mask""")
 
@@ -466,7 +479,8 @@ fused: scale=0.25, bias: additive mask""")
 4 getitem(#2, (:, :, :, :8))
 5 fuse_plugin.attention(#1, #0, #3, #4, 0, False, 0.25)
 6 getitem(#5, 0)
-7 output (#6)
+7 contiguous(#6)
+8 output (#7)
 --- report ---
 fused: scale=0.25, bias: additive mask""")
 
@@ -499,7 +513,8 @@ fused: scale=0.25, bias: additive mask""")
 5 logical_not(#4)
 6 fuse_plugin.attention(#1, #0, #3, #5, 0, False, 0.25)
 7 getitem(#6, 0)
-8 output (#7)
+8 contiguous(#7)
+9 output (#8)
 --- report ---
 fused: scale=0.25, bias: bool mask""")
 
@@ -531,7 +546,8 @@ fused: scale=0.25, bias: bool mask""")
 6 where(#2, -3.40282e+38, 0)
 7 fuse_plugin.attention(#5, #0, #3, #6, 0, False, 0.25)
 8 getitem(#7, 0)
-9 output (#8)
+9 contiguous(#8)
+10 output (#9)
 --- report ---
 fused: scale=0.25, bias: float mask""")
 
@@ -568,7 +584,8 @@ fused: scale=0.25, bias: float mask""")
 7 where(#2, 0, -3.40282e+38)
 8 fuse_plugin.attention(#6, #0, #3, #7, 0, False, 0.25)
 9 getitem(#8, 0)
-10 output (#9)
+10 contiguous(#9)
+11 output (#10)
 --- report ---
 fused: scale=0.25, bias: float mask""")
         self.assertExpectedInline(rewrite_listing(g, *qkv(), keep), """\
@@ -590,7 +607,8 @@ fused: scale=0.25, bias: float mask""")
 3 input (2, 4, 8, 16)
 4 fuse_plugin.attention(#1, #0, #3, #2, 0, False, 0.25)
 5 getitem(#4, 0)
-6 output (#5)
+6 contiguous(#5)
+7 output (#6)
 --- report ---
 fused: scale=0.25, bias: bool mask""")
 
@@ -622,7 +640,8 @@ fused: scale=0.25, bias: bool mask""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#0, #1, #2, None, 0, True, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25, is_causal (tril/triu mask)""")
 
@@ -659,7 +678,8 @@ fused: scale=0.25, is_causal (tril/triu mask)""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#0, #1, #2, None, 0, True, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25, is_causal (arange comparison)""")
 
@@ -688,7 +708,8 @@ fused: scale=0.25, is_causal (arange comparison)""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#0, #1, #2, None, 0, True, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25, is_causal (tril/triu mask)""")
 
@@ -725,7 +746,8 @@ fused: scale=0.25, is_causal (tril/triu mask)""")
 3 input (2, 4, 8, 16)
 4 fuse_plugin.attention(#0, #1, #3, None, 0, True, 0.25)
 5 getitem(#4, 0)
-6 output (#5)
+6 contiguous(#5)
+7 output (#6)
 --- report ---
 fused: scale=0.25, is_causal (registered tril buffer, value read at compile time)""")
 
@@ -765,7 +787,8 @@ fused: scale=0.25, is_causal (registered tril buffer, value read at compile time
 6 logical_not(#5)
 7 fuse_plugin.attention(#0, #1, #3, #6, 0, False, 0.25)
 8 getitem(#7, 0)
-9 output (#8)
+9 contiguous(#8)
+10 output (#9)
 --- report ---
 fused: scale=0.25, bias: bool mask""")
 
@@ -806,7 +829,8 @@ fused: scale=0.25, bias: bool mask""")
 3 input (2, 4, 8, 16)
 4 fuse_plugin.attention(#0, #1, #3, #2, 0, True, 0.25)
 5 getitem(#4, 0)
-6 output (#5)
+6 contiguous(#5)
+7 output (#6)
 --- report ---
 fused: scale=0.25, is_causal (tril/triu mask), bias: additive mask""")
         self.assertExpectedInline(rewrite_listing(gpt2, *qkv(), padding_mask()), """\
@@ -864,7 +888,8 @@ not fused: a finite masked_fill/where (value -3.40282e+38) followed by an additi
 8 le(#4, #7)
 9 fuse_plugin.attention(#0, #1, #2, #8, 0, False, 0.25)
 10 getitem(#9, 0)
-11 output (#10)
+11 contiguous(#10)
+12 output (#11)
 --- report ---
 fused: scale=0.25, bias: bool mask""")
 
@@ -929,7 +954,8 @@ fused: scale=0.25, bias: bool mask""")
 15 add(#14, #2, 1)
 16 fuse_plugin.attention(#0, #3, #4, #15, 0, False, 1)
 17 getitem(#16, 0)
-18 output (#17)
+18 contiguous(#17)
+19 output (#18)
 --- report ---
 fused: scale=1, bias: additive mask""")
 
@@ -962,7 +988,8 @@ fused: scale=1, bias: additive mask""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#1, #0, #2, None, 0, False, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25""")
 
@@ -995,7 +1022,8 @@ fused: scale=0.25""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#2, #0, #1, None, 0, False, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25, GQA: k/v un-repeated (2 q heads per kv head)""")
 
@@ -1022,7 +1050,8 @@ fused: scale=0.25, GQA: k/v un-repeated (2 q heads per kv head)""")
 2 input (2, 4, 8, 16)
 3 fuse_plugin.attention(#2, #0, #1, None, 0, False, 0.25)
 4 getitem(#3, 0)
-5 output (#4)
+5 contiguous(#4)
+6 output (#5)
 --- report ---
 fused: scale=0.25, GQA: k/v un-repeated (2 q heads per kv head)""")
 
@@ -1103,7 +1132,8 @@ fused: scale=0.25""")
 4 input (2, 4, S0, 16)
 5 fuse_plugin.attention(#1, #3, #4, None, 0, True, 0.25)
 6 getitem(#5, 0)
-7 output (#6)
+7 contiguous(#6)
+8 output (#7)
 --- report ---
 fused: scale=0.25, is_causal (tril/triu mask)""")
 
@@ -1138,7 +1168,8 @@ fused: scale=0.25, is_causal (tril/triu mask)""")
 8 div(#5, #7, None)
 9 fuse_plugin.attention(#8, #4, #6, None, 0, False, 1)
 10 getitem(#9, 0)
-11 output (#10)
+11 contiguous(#10)
+12 output (#11)
 --- report ---
 fused: scale=1, run-time scale applied to q""")
 
@@ -1260,7 +1291,8 @@ not fused: the scores are computed with batch and heads merged and split again, 
 4 unflatten(#2, 0, (2, 4))
 5 fuse_plugin.attention(#0, #1, #3, #4, 0, False, 1)
 6 getitem(#5, 0)
-7 output (#6)
+7 contiguous(#6)
+8 output (#7)
 --- report ---
 fused: scale=1, bias: additive mask""")
 
@@ -1324,7 +1356,8 @@ not fused: mask broadcasts the scores from (2, 4, 8, 8) to (3, 2, 4, 8, 8)""")
 3 randint(0, 4611686018427387904, (), dtype=int64, device=device(type='cpu'))
 4 fuse_plugin.attention(#1, #0, #2, None, 0.1, False, 0.25, #3)
 5 getitem(#4, 0)
-6 output (#5)
+6 contiguous(#5)
+7 output (#6)
 --- report ---
 fused: scale=0.25, dropout p=0.1 in the kernel""")
 
@@ -1377,7 +1410,8 @@ not fused: dropout p=1.0 (the op takes 0 <= p < 1)""")
 4 logical_not(#2)
 5 fuse_plugin.attention(#1, #0, #3, #4, 0, False, 1)
 6 getitem(#5, 0)
-7 output (#6)
+7 contiguous(#6)
+8 output (#7)
 --- report ---
 fused: scale=1, bias: bool mask""")
         self.assertExpectedInline(rewrite_listing(zero_fill, *qkv(), m), """\

@@ -607,7 +607,8 @@ fused rope_attention: rotary_qk folded into the attention kernel (q/k and tables
 4 input (2, 4, 8, 16)
 5 fuse_plugin.rope_attention(#0, #3, #4, #1, #2, False, 16, None, 0, False, 0.25)
 6 getitem(#5, 0)
-7 output (#6)
+7 contiguous(#6)
+8 output (#7)
 --- report ---
 fused attention: scale=0.25
 fused rope_attention: two rotary ops folded into the attention kernel""")
@@ -666,7 +667,8 @@ fused rope_attention: two rotary ops folded into the attention kernel""")
 10 getitem(#8, 1)
 11 fuse_plugin.attention(#9, #10, #4, #5, 0, False, 0.25)
 12 getitem(#11, 0)
-13 output (#12, #10)
+13 contiguous(#12)
+14 output (#13, #10)
 --- report ---
 fused rotary: rotate_half; rotary_dim=16; full-width cos/sin; q+k in one rotary_qk
 fused rotary: rotate_half; rotary_dim=16; full-width cos/sin; q+k in one rotary_qk

@@ -363,7 +363,8 @@ class SpellingExpectTests(expecttest.TestCase):
 8 where(#5, -3.40282e+38, 0)
 9 fuse_plugin.attention(#7, #0, #3, #8, 0, False, 0.25)
 10 getitem(#9, 0)
-11 output (#10)
+11 contiguous(#10)
+12 output (#11)
 --- report ---
 fused: scale=0.25, bias: float mask""")
 
@@ -413,7 +414,8 @@ not fused: the scores feeding the softmax (scores) are also used elsewhere""")
 6 input (S0, S1, S2, S3)
 7 fuse_plugin.attention(#5, #4, #6, None, 0, False, 0.25)
 8 getitem(#7, 0)
-9 output (#8)
+9 contiguous(#8)
+10 output (#9)
 --- report ---
 fused: scale=0.25""")
 
@@ -581,7 +583,8 @@ not fused: softmax over dim -2, not the last dim""")
 3 input (2, 1, 8, 16)
 4 fuse_plugin.attention(#1, #0, #3, #2, 0, False, 0.25)
 5 getitem(#4, 0)
-6 output (#5)
+6 contiguous(#5)
+7 output (#6)
 --- report ---
 fused: scale=0.25, bias: additive mask, GQA: k/v un-repeated (4 q heads per kv head)""")
 

@@ -876,6 +876,21 @@ def _strip_cast(x: _Operand) -> _Operand:
 # =============================================================================== replace
 
 
+def _needs_eager_strides(output: fx.Node) -> bool:
+    """Does a use of the attention output depend on its strides? The op lays its output out
+    (B, L, H, D) (ops/attention.py), where eager's w·v is contiguous: fine for every op a model
+    applies to it except `view` (which needs compatible strides) and a graph output, whose
+    strides a subgraph must keep (both branches of a `cond` return the same layout) and a caller
+    may read. Those get the eager layout back by a copy."""
+    for u in output.users:
+        if u.op == "output":
+            return True
+        if (u.op == "call_method" and u.target == "view") or u.target in (torch.Tensor.view,
+                                                                          torch.ops.aten.view.default):
+            return True
+    return False
+
+
 def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
     """Emit the op for `site`, take over the uses of its output, erase the dead matched nodes.
     Returns the detail for the report."""
@@ -914,6 +929,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
                 got = example_value(out)
             if not same_shape(tuple(got.shape), tuple(want.shape)):
                 raise RuntimeError(f"replacement has shape {tuple(got.shape)}, eager {tuple(want.shape)}")
+            if _needs_eager_strides(site.output) and want.is_contiguous() and not got.is_contiguous():
+                out = b.method("contiguous", out)
         elif dtype(q) is not None and want is not None and dtype(q) != want.dtype:
             out = b.method("to", out, want.dtype)
     except Exception:
