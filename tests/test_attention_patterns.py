@@ -850,7 +850,7 @@ fused: scale=0.25, is_causal (tril/triu mask), bias: additive mask""")
 13 matmul(#12, #3)
 14 output (#13)
 --- after: unchanged ---
-not fused: a finite masked_fill/where (value -3.40282e+38) followed by an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
+not fused: a finite masked_fill/where (value -3.40282e+38) together with an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
 
     def test_bottom_right_causal_is_not_is_causal(self):
         def f(q, k, v):  # a KV-cache step: query i sees keys <= i + (Lk - Lq)

@@ -701,7 +701,7 @@ fused: scale=0.25, bias: float mask""")
 --- after: unchanged ---
 not fused: baddbmm with beta=2.0 scales the bias it adds""")
 
-    def test_deberta_disentangled_bias(self):
+    def test_negative_deberta_bias_before_fill(self):  # refused: see attention_bias.causal_or_bias
         self.assertExpectedInline(rewrite_listing(deberta, *qkv(), torch.randn(B * H, 2 * L, D), torch.randn(B * H, 2 * L, D), keep_keys()), """\
 0 input (2, 4, 8, 16)
 1 input (2, 4, 8, 16)
@@ -742,45 +742,8 @@ not fused: baddbmm with beta=2.0 scales the bias it adds""")
 36 bmm(#35, #8)
 37 view(#36, (-1, 4, 8, 16))
 38 output (#37)
---- after ---
-0 input (2, 4, 8, 16)
-1 input (2, 4, 8, 16)
-2 input (2, 4, 8, 16)
-3 input (8, 16, 16)
-4 input (8, 16, 16)
-5 input (2, 8)
-6 reshape(#0, (8, 8, 16))
-7 reshape(#1, (8, 8, 16))
-8 tensor(16, dtype=float32)
-9 mul(#8, 3)
-10 sqrt(#9)
-11 to(#10, (float32))
-12 transpose(#3, -1, -2)
-13 bmm(#6, #12)
-14 transpose(#4, -1, -2)
-15 bmm(#7, #14)
-16 transpose(#15, -1, -2)
-17 getitem(#13, (Ellipsis, :8))
-18 div(#17, #10, None)
-19 getitem(#16, (Ellipsis, :8, :))
-20 div(#19, #10, None)
-21 add(#18, #20, 1)
-22 getitem(#5, (:, None, :, None))
-23 getitem(#5, (:, None, None, :))
-24 and_(#22, #23)
-25 unflatten(#21, 0, (2, 4))
-26 invert(#24)
-27 div(#0, #11, None)
-28 all(#26, -1, True)
-29 where(#28, 0, #27)
-30 where(#26, -3.40282e+38, #25)
-31 fuse_plugin.attention(#29, #1, #2, #30, 0, False, 1)
-32 getitem(#31, 0)
-33 flatten(#32, 0, 1)
-34 view(#33, (-1, 4, 8, 16))
-35 output (#34)
---- report ---
-fused: scale=1, run-time scale applied to q, bias: float mask""")
+--- after: unchanged ---
+not fused: a finite masked_fill/where (value -3.40282e+38) together with an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
 
     def test_negative_deberta_term_after_fill(self):
         self.assertExpectedInline(rewrite_listing(deberta_add_after_fill, *qkv(), torch.randn(B * H, 2 * L, D), torch.randn(B * H, 2 * L, D), keep_keys()), """\
@@ -825,7 +788,7 @@ fused: scale=1, run-time scale applied to q, bias: float mask""")
 38 view(#37, (-1, 4, 8, 16))
 39 output (#38)
 --- after: unchanged ---
-not fused: a finite masked_fill/where (value -3.40282e+38) followed by an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
+not fused: a finite masked_fill/where (value -3.40282e+38) together with an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
 
     def test_mha_dead_weights(self):
         self.assertExpectedInline(rewrite_listing(lambda *a: mha_head(MHA, *a), torch.randn(B, 1, 64), torch.randn(B, L, 64), ~keep_keys()), """\
@@ -1053,7 +1016,9 @@ DIFFERENTIAL = [
     ("bloom", bloom, lambda: (*qkv(), _alibi(keep_keys(masked_batch=0)), additive(keep_keys(masked_batch=0))), 1),
     ("falcon_alibi", falcon_alibi, lambda: (*qkv(), _alibi(keep_keys()), additive(keep_keys(masked_batch=0))), 1),
     ("bloom_beta_2", bloom_beta2, lambda: (*qkv(), _alibi(keep_keys()), additive(keep_keys())), 0),
-    ("deberta", deberta, lambda: (*qkv(), *_pos(), keep_keys(masked_batch=0)), 1),
+    # DeBERTa-v2: its bias (from q and k terms) before a finite padding fill is refused
+    # (attention_bias.causal_or_bias: an additive term may itself be a mask)
+    ("deberta", deberta, lambda: (*qkv(), *_pos(), keep_keys(masked_batch=0)), 0),
     ("deberta_term_after_fill", deberta_add_after_fill, lambda: (*qkv(), *_pos(), keep_keys(masked_batch=0)), 0),
 ]
 
@@ -1176,6 +1141,6 @@ FUZZ_CASES = int(os.environ.get("FUSE_PLUGIN_SPELLING_FUZZ", "16"))
 @pytest.mark.parametrize("seed", range(FUZZ_CASES))
 def test_spelling_fuzz(seed):
     """Compiled vs eager, output and every gradient, on random cases of the spellings (16 in CI;
-    FUSE_PLUGIN_SPELLING_FUZZ=500 for more). Every case must fuse (1 site) and agree."""
+    FUSE_PLUGIN_SPELLING_FUZZ=500 for more). Every case must fuse (1 site; DeBERTa's: 0) and agree."""
     name, fn, args, tol = _fuzz_case(seed)
-    differential(fn, *args, fused=1, tol=tol)
+    differential(fn, *args, fused=0 if name == "deberta" else 1, tol=tol)  # deberta: refused, see SPELLINGS
