@@ -413,7 +413,6 @@ NEAR_MISSES = {
 }
 
 
-
 def _stock_fuses_from_docstring() -> set:
     found = set()
     for line in __doc__.splitlines():
