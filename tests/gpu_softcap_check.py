@@ -39,20 +39,12 @@ from torch._dynamo.utils import counters  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fuse_plugin  # noqa: E402,F401
 from fuse_plugin.ops import reference  # noqa: E402
+from gpu_checkpoint_check import PerGraph, as_accurate, grads_rel, rel  # noqa: E402  (the same measures)
 
 DEVICE = "cuda"
 SOFTCAP = 30.0
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BATCH, SEQ, PAD, WINDOW = 4, 512, 8, 4, 64, 2, 512, 64, 128
 KERNEL_SHAPES = [(64, 1000, True), (64, 2048, False), (128, 1000, False), (128, 2048, True)]
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def as_accurate(got: float, eager: float) -> bool:
-    return got <= max(2 * eager, 1e-2)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -158,28 +150,6 @@ def gemma_inputs():
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE), "labels": labels.to(DEVICE),
             "use_cache": False}
-
-
-class PerGraph:
-    def __init__(self):
-        self.backend = torch._dynamo.lookup_backend("fuse_plugin")
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        before = dict(counters["fuse_plugin"])
-        out = self.backend(gm, example_inputs)
-        self.graphs.append({k: counters["fuse_plugin"][k] - before.get(k, 0) for k in ("attention", "rotary")})
-        return out
-
-
-def grads_rel(model, ref) -> float:
-    num = den = 0.0
-    for p, r in zip(model.parameters(), ref.parameters()):
-        if r.grad is None:
-            continue
-        num += (p.grad.double() - r.grad.double()).norm().item() ** 2
-        den += r.grad.double().norm().item() ** 2
-    return (num / max(den, 1e-60)) ** 0.5
 
 
 def check_gemma2(rows: list) -> None:
