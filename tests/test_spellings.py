@@ -1144,3 +1144,17 @@ def test_spelling_fuzz(seed):
     FUSE_PLUGIN_SPELLING_FUZZ=500 for more). Every case must fuse (1 site; DeBERTa's: 0) and agree."""
     name, fn, args, tol = _fuzz_case(seed)
     differential(fn, *args, fused=0 if name == "deberta" else 1, tol=tol)  # deberta: refused, see SPELLINGS
+
+
+# =============================================================================== the output's layout
+
+
+def attention_then_view(q, k, v):
+    """The op lays its output out (B, L, H, D) (ops/attention.py); `.view(B·H, L, D)` of eager's
+    contiguous w·v needs eager's strides, so the rewrite must give them back there."""
+    w = torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1)
+    return (w @ v).view(-1, q.shape[2], v.shape[3]) * 2
+
+
+def test_view_of_the_output_gets_eager_layout():
+    differential(attention_then_view, *qkv(), fused=1)
