@@ -48,8 +48,8 @@ from torch import fx
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
 from .attention_bias import BiasTerm, build_bias, causal_or_bias, read_masks, zero_filled_rows
 from .batch_views import batch_view, carry_mask
-from .canon import (Call, call_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape, is_identity,
-                    is_in_place_form, known_equal, mutates, norm_dim, same_shape, shape, shape_only_use, size_in_range,
+from .canon import (Call, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
+                    is_identity, is_in_place_form, known_equal, mutates, norm_dim, same_shape, shape, shape_only_use, size_in_range,
                     tensor_meta, written)
 from .causal_mask import constant_number
 from .graph_edit import NodeBuilder, erase_dead, fake_mode_of, graph_fake_mode
@@ -909,7 +909,7 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         if site.dropout_p:
             # A fresh seed per call from torch's RNG: the op's forward and backward draw the same mask.
             seed = (b.factory(site.q.node, torch.randint, 0, 2**62, (), dtype=torch.int64,
-                              device=_device(site.q.node)),)
+                              device=device_of(site.q.node)),)
         softcap = {"softcap": float(site.softcap)} if site.softcap else {}
         op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
                         **softcap)
@@ -959,11 +959,6 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         parts.append("_safe_softmax: rows masked everywhere give 0")
     parts += site.notes
     return ", ".join(parts)
-
-
-def _device(node: fx.Node) -> torch.device:
-    value = example_value(node)
-    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
 
 
 def _build_operand(b: NodeBuilder, x: _Operand) -> fx.Node:

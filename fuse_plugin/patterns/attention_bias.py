@@ -42,7 +42,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import fx
 
-from .canon import broadcasts_to, call_of, dtype, example_value, fmt_shape, is_identity, shape, written
+from .canon import broadcasts_to, call_of, device_of, dtype, example_value, fmt_shape, is_identity, shape, written
 from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, causal_source, constant_number,
                           is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
@@ -275,7 +275,7 @@ def build_bias(b: NodeBuilder, parts: list, memo: dict, dtype: torch.dtype = tor
                 value = cast_value(cast_value(p.value, dtype) * p.scale, dtype)
                 fill = value
                 if dtype != torch.get_default_dtype():  # where(m, number, number) takes the default dtype
-                    fill = b.factory(p.mask, torch.scalar_tensor, value, dtype=dtype, device=_device(p.mask))
+                    fill = b.factory(p.mask, torch.scalar_tensor, value, dtype=dtype, device=device_of(p.mask))
                 other = 0.0 if bias is None else bias
                 if bias is not None and dtype_of(bias) != dtype:
                     other = b.method("to", bias, dtype)
@@ -284,11 +284,6 @@ def build_bias(b: NodeBuilder, parts: list, memo: dict, dtype: torch.dtype = tor
         result = (bias, "float mask")
     memo[key] = result
     return result
-
-
-def _device(node: fx.Node) -> torch.device:
-    value = example_value(node)
-    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
 
 
 def _negated(b: NodeBuilder, mask: fx.Node) -> fx.Node:

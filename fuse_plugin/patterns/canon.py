@@ -328,6 +328,12 @@ def example_value(node: Any) -> Any:
     return node
 
 
+def device_of(node: fx.Node) -> torch.device:
+    """The device of node's example value (the CPU when it has no tensor value)."""
+    value = example_value(node)
+    return value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
+
+
 def tensor_meta(node: Any) -> torch.Tensor | None:
     v = example_value(node)
     return v if isinstance(v, torch.Tensor) else None
