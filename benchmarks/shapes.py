@@ -17,9 +17,13 @@ Variants: ``compile`` = eager attention + stock torch.compile (the plugin kept o
 compiles); ``sdpa+compile`` = the model's SDPA path + stock torch.compile; ``plugin`` = eager
 attention + torch.compile(backend="fuse_plugin"). Modes: default, reduce-overhead (CUDA graphs).
 A training step is forward, cross-entropy, backward and a fused AdamW step; inference a forward
-under no_grad. Each cell: 3 warm-up steps (the compile), then the best of 3 timed runs of
-``--steps`` steps, synchronised once per run (the host may run ahead of the GPU, as in a real
-loop). The last table: host µs per op call (overhead.py's compiled rows) next to SDPA's.
+under no_grad. Each row and mode runs in one go: every variant gets its own model and compile
+(3 warm-up steps), then ``--rounds`` rounds in which the variants take turns, each running
+``--steps`` timed steps synchronised once (the host may run ahead of the GPU, as in a real loop).
+A cell is the median of its rounds (the best in brackets): the host of the device machine drifts
+by 10-30% over minutes, and interleaving puts that drift on every variant alike (variants
+measured one after another, minutes apart, disagreed with each other by that much: RESULTS.md,
+stop 14). The last table: host µs per op call (overhead.py's compiled rows) next to SDPA's.
 """
 from __future__ import annotations
 
@@ -194,64 +198,92 @@ def make_step(fn, kind, inputs, labels, opt, cudagraphs):
     return step
 
 
-def throughput(step, items: int, steps: int) -> float:
-    for _ in range(3):  # compile, warm-up (CUDA graphs record on the 2nd/3rd call)
+def _timed_run(step, steps: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(steps):
         step()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return items * steps / best
+    return time.perf_counter() - t0
 
 
-def run_variant(family, variant, mode, rows, layers, steps, results, log):
-    """All rows of one family for one (variant, mode): one model, one torch.compile (a recompile
-    per shape, static shapes)."""
+def _variant_context(variant):
+    return fuse_plugin.disabled() if variant != "plugin" else contextlib.nullcontext()
+
+
+def build(family, variant, mode, layers):
+    """One model of `family` for `variant` (its own weights, seeded alike) and its compiled forward."""
     attn = "sdpa" if variant == "sdpa+compile" else "eager"
-    stock = variant != "plugin"
     model = FAMILIES[family](attn, layers)
     kwargs = dict(mode=None if mode == "default" else mode, dynamic=False)
-    fn = torch.compile(model, **kwargs) if stock else torch.compile(model, backend="fuse_plugin", **kwargs)
+    if variant == "plugin":
+        fn = torch.compile(model, backend="fuse_plugin", **kwargs)
+    else:
+        fn = torch.compile(model, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    for name in rows:
-        _, kind, batch, seq = ROWS[name]
-        inputs, labels = make_batch(family, batch, seq)
-        model.train(kind == "train")
-        step = make_step(fn, kind, inputs, labels, opt, mode == "reduce-overhead")
-        items = batch if family == "vit" else batch * seq
-        t0 = time.perf_counter()
+    return model, fn, opt
+
+
+def _free():
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    with contextlib.suppress(Exception):
+        torch._inductor.cudagraph_trees.reset_cudagraph_trees()
+
+
+def run_row(name, mode, variants, layers, steps, rounds, results, log):
+    """One row in one mode, every variant in this process: each variant gets its own model and
+    compile (3 warm-up steps), then `rounds` rounds in which each variant runs `steps` timed steps
+    in turn, so that the host's drift over minutes falls on all variants alike. A cell is the
+    median (and the best) of its variant's rounds."""
+    family, kind, batch, seq = ROWS[name]
+    items = batch if family == "vit" else batch * seq
+    inputs, labels = make_batch(family, batch, seq)
+    steps_of, times, t0 = {}, {v: [] for v in variants}, time.perf_counter()
+    for variant in variants:
         try:
-            with fuse_plugin.disabled() if stock else contextlib.nullcontext():
-                value = throughput(step, items, steps)
+            model, fn, opt = build(family, variant, mode, layers)
+            model.train(kind == "train")
+            step = make_step(fn, kind, inputs, labels, opt, mode == "reduce-overhead")
+            with _variant_context(variant):
+                for _ in range(3):  # compile, warm-up (CUDA graphs record on the 2nd/3rd call)
+                    step()
+            torch.cuda.synchronize()
+            steps_of[variant] = (step, model, fn, opt)
         except torch.OutOfMemoryError:
-            value = "OOM"
+            results[(name, mode, variant)] = "OOM"
         except Exception as e:  # reported in the table, the other cells still run
             import traceback
 
             traceback.print_exc()
-            value = f"error: {type(e).__name__}"
-        results[(name, mode, variant)] = value
-        shown = f"{value:12.0f}" if isinstance(value, float) else value
-        log(f"  {name:20} {mode:16} {variant:13} {shown}   ({time.perf_counter() - t0:.0f} s)")
-        opt.zero_grad(set_to_none=True)
-    del model, fn, opt
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch._dynamo.reset()
+            results[(name, mode, variant)] = f"error: {type(e).__name__}"
+    compiled_s = time.perf_counter() - t0
+    if rounds == 0:  # --rounds 0: compile and warm up only (fills Inductor's and Triton's caches)
+        log(f"  {name:20} {mode:16} compiled and warmed up: {', '.join(steps_of)}   ({compiled_s:.0f} s)")
+        return
+    for _ in range(rounds):
+        for variant, (step, *_rest) in steps_of.items():
+            with _variant_context(variant):
+                times[variant].append(_timed_run(step, steps))
+    for variant in steps_of:
+        ts = sorted(times[variant])
+        results[(name, mode, variant)] = items * steps / ts[len(ts) // 2]
+        results[(name, mode, variant, "best")] = items * steps / ts[0]
+    cells = "  ".join(f"{v} {results[(name, mode, v)]:.0f}" if isinstance(results[(name, mode, v)], float)
+                      else f"{v} {results[(name, mode, v)]}" for v in variants)
+    log(f"  {name:20} {mode:16} {cells}   (compile {compiled_s:.0f} s, total "
+        f"{time.perf_counter() - t0:.0f} s)")
 
 
 def table(results, rows, modes, variants) -> list[str]:
+    """Cells: median of the interleaved rounds (best in brackets); the ratio is of the medians."""
     lines = ["| row | mode | " + " | ".join(variants) + " | plugin / best other |",
              "|---|---|" + "---|" * (len(variants) + 1)]
     for name in rows:
         for mode in modes:
             vals = {v: results.get((name, mode, v)) for v in variants}
-            cells = [f"{vals[v]:.0f}" if isinstance(vals[v], float) else str(vals[v])
-                     for v in variants]
+            cells = [f"{vals[v]:.0f} ({results[(name, mode, v, 'best')]:.0f})" if isinstance(vals[v], float)
+                     else str(vals[v]) for v in variants]
             others = [x for v, x in vals.items() if v != "plugin" and isinstance(x, float)]
             ratio = (f"{vals['plugin'] / max(others):.2f}"
                      if isinstance(vals.get("plugin"), float) and others else "-")
@@ -267,7 +299,10 @@ def main(argv=None):
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved timed runs per variant (0: only compile and warm up, which "
+                             "fills the compile caches for a later timed run)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the host-time table")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -278,18 +313,17 @@ def main(argv=None):
     modes, variants = args.modes.split(","), args.variants.split(",")
     header = (f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers "
               f"{transformers.__version__} | {time.strftime('%Y-%m-%d')} | bf16 | Llama "
-              f"{args.layers} layers | best of 3 runs of {args.steps} steps")
+              f"{args.layers} layers | median (best) of {args.rounds} interleaved runs of {args.steps} steps")
     print(header, flush=True)
     results = {}
     t_start = time.perf_counter()
-    for family in ("llama", "vit", "bert"):
-        fam_rows = [r for r in rows if ROWS[r][0] == family]
-        if not fam_rows:
-            continue
+    for name in rows:
         for mode in modes:
-            for variant in variants:
-                run_variant(family, variant, mode, fam_rows, args.layers, args.steps, results,
-                            lambda s: print(s, flush=True))
+            run_row(name, mode, variants, args.layers, args.steps, args.rounds, results,
+                    lambda s: print(s, flush=True))
+            _free()  # the row's models and compiled graphs are gone once run_row returns
+    if args.rounds == 0:
+        return
     lines = [header, ""]
     if any(ROWS[r][0] == "vit" for r in rows):
         lines.append(f"ViT: {getattr(vit, 'source', '?')}")
