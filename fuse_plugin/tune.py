@@ -571,6 +571,9 @@ def tune(args) -> int:
 
     out_path = Path(args.out) if args.out else tuning.table_path(cc)
     table = tuning.load_table(out_path) or {"format": tuning.FORMAT, "gpus": {}}
+    # The short-sequence entries are measured apart (benchmarks/tiles.py): a retune keeps them.
+    old = (table["gpus"].get(name) or {}).get("entries", {})
+    table_entries.update({k: e for k, e in old.items() if k in set(tuning.optional_keys())})
     table["gpus"][name] = {
         "cc": list(cc), "triton": triton.__version__, "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"), "tuned_by": "python -m fuse_plugin.tune",

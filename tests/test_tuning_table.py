@@ -35,7 +35,8 @@ def test_covers_every_dispatcher_key(table):
     for name, gpu in table["gpus"].items():
         have = set(gpu["entries"])
         assert not want - have, f"{name}: missing {sorted(want - have)[:5]}"
-        assert not have - want, f"{name}: unknown keys {sorted(have - want)[:5]}"
+        unknown = have - want - set(tuning.optional_keys())
+        assert not unknown, f"{name}: unknown keys {sorted(unknown)[:5]}"
 
 
 def test_entries_well_formed(table):
@@ -52,9 +53,11 @@ def test_entries_well_formed(table):
             assert tuning.kernel_covers(kernel, key), (key, entry)
             assert bm <= 128 and bn <= 128 and w in (4, 8) and 1 <= s <= 5, (key, entry)
             src = entry[5]
-            assert src in ("tuned", "heuristic") or src.startswith("from:"), (key, src)
+            assert src in ("tuned", "heuristic", "measured") or src.startswith("from:"), (key, src)
             if src.startswith("from:"):
-                assert entries[src[5:]][5] == "tuned", f"{key} copies an untuned {src}"
+                assert entries[src[5:]][5] in ("tuned", "measured"), f"{key} copies an untuned {src}"
+            # hand-measured entries only in the optional short-sequence bucket
+            assert (src == "measured") <= (key in tuning.optional_keys()), (key, src)
             p = tuning.parse_key(key)
             d = p["dbucket"]
             # Tuned entries ran on the GPU with a bf16 bias; copies and heuristics must also
@@ -112,6 +115,28 @@ def test_lookup_reads_the_table(monkeypatch, table):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
         tuning.clear_cache()
         assert tuning.lookup("fwd", dev, torch.float16, 64, 64, False, "none", 64, 64) is None
+    finally:
+        tuning.clear_cache()
+
+
+def test_short_sequences_take_their_optional_entry(monkeypatch, tmp_path):
+    """max(Lq, Lk) <= SHORT_SEQ reads the n256 entry when the table has one, else the n1024 one;
+    longer problems never read it."""
+    entries = {tuning.make_key("fwd", "bf16", 64, False, "none", n): [bm, 64, 4, 2, 0, "tuned"]
+               for n, bm in ((tuning.SHORT_SEQ, 32), (1024, 128))}
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"format": tuning.FORMAT, "gpus": {"G": {"cc": list(SM90), "entries": entries}}}))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: SM90)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "G")
+    monkeypatch.setenv(tuning.ENV, str(path))
+    tuning.clear_cache()
+    try:
+        dev = torch.device("cuda", 0)
+        block_m = lambda lq, lk, causal=False: tuning.lookup(  # noqa: E731
+            "fwd", dev, torch.bfloat16, 64, 64, causal, "none", lq, lk)
+        assert block_m(197, 197)[0] == 32 and block_m(1, 256)[0] == 32
+        assert block_m(257, 257)[0] == 128 and block_m(16, 1000)[0] == 128
+        assert block_m(197, 197, causal=True) is None  # no entry of either bucket for causal
     finally:
         tuning.clear_cache()
 

@@ -26,6 +26,11 @@ fp16/bf16, d64/d128), ``"two_kernel"``, the atomic-free backward pair (backward 
 followed by its dQ kernel's ``[block_m, block_n, num_warps, num_stages]``, or
 ``"gluon"`` / ``"gluon_pingpong"`` (forward) and ``"gluon"`` / ``"gluon_lpt"`` (backward),
 the warp-specialised Gluon kernels (the TMA kernels' keys).
+Short sequences: the tuner's smallest bucket is n1024 (its representative shapes have N = 1024),
+and below ``SHORT_SEQ`` other tiles win (ViT's 197 tokens: the n1024 entries' TMA forward takes
+45 us where a general 64x32 tile takes 26, cuDNN 26). Optional keys with the bucket ``n256``
+(``optional_keys``), measured with ``benchmarks/tiles.py`` (source ``"measured"``), take
+precedence for max(Lq, Lk) <= ``SHORT_SEQ``; a problem without one uses its n1024 entry.
 Set ``FUSE_PLUGIN_ATTENTION_TABLE`` to a JSON path to use another table file, or to ``off`` to
 use the heuristic tiles only.
 """
@@ -44,6 +49,7 @@ KERNELS = ("fwd", "bwd")
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 D_BUCKETS = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256)
 SEQ_BUCKETS = (1024, 4096, 16384)
+SHORT_SEQ = 256  # optional entries for max(Lq, Lk) <= this (see the module docstring)
 MASKS = ("none", "bool", "float")
 ENV = "FUSE_PLUGIN_ATTENTION_TABLE"
 
@@ -78,6 +84,12 @@ def all_keys() -> list[str]:
     """Every key the dispatcher can ask for."""
     return [make_key(k, dt, d, c, m, n) for k in KERNELS for dt in DTYPE_NAMES.values()
             for d in D_BUCKETS for c in (False, True) for m in MASKS for n in SEQ_BUCKETS]
+
+
+def optional_keys() -> list[str]:
+    """Keys a table may hold besides ``all_keys``: the short-sequence bucket."""
+    return [make_key(k, dt, d, c, m, SHORT_SEQ) for k in KERNELS for dt in DTYPE_NAMES.values()
+            for d in D_BUCKETS for c in (False, True) for m in MASKS]
 
 
 def table_path(cc: tuple[int, int]) -> Path:
@@ -184,8 +196,10 @@ def lookup(kernel: str, device: torch.device, dtype: torch.dtype, d: int, dv: in
     entries = _entries(index, os.environ.get(ENV))
     if not entries:
         return None
-    key = make_key(kernel, DTYPE_NAMES[dtype], d_bucket(d, dv), causal, mask, seq_bucket(lq, lk))
-    entry = entries.get(key)
+    dt, db = DTYPE_NAMES[dtype], d_bucket(d, dv)
+    entry = entries.get(make_key(kernel, dt, db, causal, mask, SHORT_SEQ)) if max(lq, lk) <= SHORT_SEQ else None
+    if entry is None:
+        entry = entries.get(make_key(kernel, dt, db, causal, mask, seq_bucket(lq, lk)))
     return None if entry is None else entry_to_config(entry)
 
 
