@@ -12,6 +12,7 @@ eager: the output and the gradient of every input and parameter, rows masked eve
   5. ALiBi                             BLOOM: baddbmm(alibi, q, kᵀ, beta=1) on merged heads, weights viewed
                                        3-D; Falcon: alibi.view(B, H, 1, -1), the weights viewed as they are
   6. differentiable bias from q, k     DeBERTa-v2's disentangled attention (a bias with its gradient)
+                                       before a finite padding fill: the op's replace mask
   7. nn.MultiheadAttention             need_weights=True (the default) with the weights dropped (SigLIP's head)
   8. windowed attention, 5-D mask      timm Swin's shifted windows: view (B, nW, H, N, N) + mask, view back
                                        (timm is not installed here: the block is written the way timm writes it)
@@ -358,15 +359,13 @@ class SpellingExpectTests(expecttest.TestCase):
 3 input (2, 4, 8, 16)
 4 eq(#2, 0)
 5 view(#4, (2, 1, 1, 8))
-6 all(#5, -1, True)
-7 where(#6, 0, #1)
-8 where(#5, -3.40282e+38, 0)
-9 fuse_plugin.attention(#7, #0, #3, #8, 0, False, 0.25)
-10 getitem(#9, 0)
-11 contiguous(#10)
-12 output (#11)
+6 where(#5, -3.40282e+38, 0)
+7 fuse_plugin.attention(#1, #0, #3, #6, 0, False, 0.25, replace=#5)
+8 getitem(#7, 0)
+9 contiguous(#8)
+10 output (#9)
 --- report ---
-fused: scale=0.25, bias: float mask""")
+fused: scale=0.25, bias: float mask, replace mask (finite fill)""")
 
     def test_negative_expanded_mask_also_returned(self):
         self.assertExpectedInline(rewrite_listing(expanded_mask_returned, *qkv(), keep_keys()), """\
@@ -1212,9 +1211,9 @@ FUZZ_CASES = int(os.environ.get("FUSE_PLUGIN_SPELLING_FUZZ", "16"))
 @pytest.mark.parametrize("seed", range(FUZZ_CASES))
 def test_spelling_fuzz(seed):
     """Compiled vs eager, output and every gradient, on random cases of the spellings (16 in CI;
-    FUSE_PLUGIN_SPELLING_FUZZ=500 for more). Every case must fuse (1 site; DeBERTa's: 0) and agree."""
+    FUSE_PLUGIN_SPELLING_FUZZ=500 for more). Every case must fuse (1 site) and agree."""
     name, fn, args, tol = _fuzz_case(seed)
-    differential(fn, *args, fused=0 if name == "deberta" else 1, tol=tol)  # deberta: refused, see SPELLINGS
+    differential(fn, *args, fused=1, tol=tol)
 
 
 # =============================================================================== the output's layout
