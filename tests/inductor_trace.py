@@ -117,16 +117,18 @@ def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
         return torch.randn(*shape, dtype=dtype, device=device)
 
 
-def attention_pair(q, k, v, dout, bias=None, is_causal=True, need_dbias=False, p=0.0, seed=None):
+def attention_pair(q, k, v, dout, bias=None, is_causal=True, need_dbias=False, p=0.0, seed=None,
+                   replace=None):
     scale = q.shape[-1] ** -0.5
-    out, lse = OPS.attention(q, k, v, bias, p, is_causal, scale, dropout_seed=seed)
+    extra = {} if replace is None else {"replace": replace}
+    out, lse = OPS.attention(q, k, v, bias, p, is_causal, scale, dropout_seed=seed, **extra)
     dq, dk, dv, db = OPS.attention_backward(dout, q, k, v, bias, out, lse, p, is_causal, scale,
-                                            seed, need_dbias)
+                                            seed, need_dbias, **extra)
     return (out, dq, dk, dv) + ((db,) if need_dbias else ())
 
 
 def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias=False, p=0.0,
-                   is_causal=True, device="cuda"):
+                   is_causal=True, device="cuda", replace=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -143,11 +145,15 @@ def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias
     if p:
         with mode:
             extra.append(torch.zeros((), dtype=torch.int64, device=device))
+    if replace:  # a replace mask (next to a float mask), broadcast over heads and queries
+        with mode:
+            extra.append(torch.ones(B, 1, 1, L, dtype=torch.bool, device=device))
 
     def fn(q, k, v, dout, *extra):
         bias = extra[0] if mask else None
-        seed = extra[-1] if p else None
-        return attention_pair(q, k, v, dout, bias, is_causal, need_dbias, p, seed)
+        seed = extra[1 if mask else 0] if p else None
+        return attention_pair(q, k, v, dout, bias, is_causal, need_dbias, p, seed,
+                              extra[-1] if replace else None)
 
     return trace(fn, q, k, v, dout, *extra)
 
@@ -199,6 +205,10 @@ CASES = {
     "float_mask_dbias": lambda: attention_case(1, 4, 4, 300, 64, mask="float", need_dbias=True,
                                                is_causal=False),
     "bool_mask": lambda: attention_case(2, 4, 2, 257, 128, mask="bool"),
+    # a replace mask next to the float mask (a finite fill with additive terms), D 128 (where a
+    # TMA table entry may stand: general kernels only)
+    "replace_mask": lambda: attention_case(1, 4, 4, 300, 128, mask="float", need_dbias=True,
+                                           is_causal=False, replace=True),
     "dropout": lambda: attention_case(1, 4, 4, 129, 64, p=0.1),
     "d80": lambda: attention_case(1, 4, 4, 200, 80),
     "fp32": lambda: attention_case(1, 2, 2, 100, 64, dtype=torch.float32),

@@ -37,10 +37,10 @@ NEGATIVES = (
     "none", "softmax_dim", "weights_used", "bad_permute", "mask_5d", "scores_used", "fill_not_mask",
     "mul_by_tensor", "inplace_fill", "small_head",
 )
-# masks the recogniser must leave alone: a finite causal fill followed by an additive padding mask
-# (old HF GPT-2). With left padding, a padded query's row mixes filled scores (no gradient in
-# eager) and added ones (gradient) at the same finfo.min value; the op cannot keep both.
-UNFUSED_MASKS = ("causal_pad_min",)
+# masks the recogniser must leave alone: none. (A finite causal fill followed by an additive padding
+# mask, old HF GPT-2's "causal_pad_min", is fused with the op's replace mask: with left padding a
+# padded query's row mixes filled scores, no gradient in eager, and added ones, with gradient.)
+UNFUSED_MASKS: tuple = ()
 # masks that make the recogniser emit is_causal
 CAUSAL_MASKS = ("causal_tril", "causal_tril_eq0", "causal_arange", "causal_triu_add", "causal_buffer", "causal_pad_inf")
 

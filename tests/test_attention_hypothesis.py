@@ -41,6 +41,6 @@ def test_generated_attention_matches_eager_and_fuses_as_predicted(spec):
     report = compare_compiled(spec)
     fused = report.count("attention") > 0
     assert fused == spec.fused(), f"{spec}\n{report}"
-    assert any("is_causal" in s.detail for s in report.sites) == spec.causal(), f"{spec}\n{report}"
+    assert any("is_causal (" in s.detail for s in report.sites) == spec.causal(), f"{spec}\n{report}"
     if not spec.fused():
         assert report.misses, "a near miss must be reported with its reason"

@@ -541,15 +541,13 @@ fused: scale=0.25, bias: bool mask""")
 1 input (2, 4, 8, 16)
 2 input (2, 1, 8, 8)
 3 input (2, 4, 8, 16)
-4 all(#2, -1, True)
-5 where(#4, 0, #1)
-6 where(#2, -3.40282e+38, 0)
-7 fuse_plugin.attention(#5, #0, #3, #6, 0, False, 0.25)
-8 getitem(#7, 0)
-9 contiguous(#8)
-10 output (#9)
+4 where(#2, -3.40282e+38, 0)
+5 fuse_plugin.attention(#1, #0, #3, #4, 0, False, 0.25, replace=#2)
+6 getitem(#5, 0)
+7 contiguous(#6)
+8 output (#7)
 --- report ---
-fused: scale=0.25, bias: float mask""")
+fused: scale=0.25, bias: float mask, replace mask (finite fill)""")
 
     def test_where_finfo_min_and_where_inf(self):
         def f(q, k, v, keep):
@@ -578,16 +576,14 @@ fused: scale=0.25, bias: float mask""")
 1 input (2, 4, 8, 16)
 2 input (2, 1, 8, 8)
 3 input (2, 4, 8, 16)
-4 logical_not(#2)
-5 all(#4, -1, True)
-6 where(#5, 0, #1)
-7 where(#2, 0, -3.40282e+38)
-8 fuse_plugin.attention(#6, #0, #3, #7, 0, False, 0.25)
-9 getitem(#8, 0)
-10 contiguous(#9)
-11 output (#10)
+4 where(#2, 0, -3.40282e+38)
+5 logical_not(#2)
+6 fuse_plugin.attention(#1, #0, #3, #4, 0, False, 0.25, replace=#5)
+7 getitem(#6, 0)
+8 contiguous(#7)
+9 output (#8)
 --- report ---
-fused: scale=0.25, bias: float mask""")
+fused: scale=0.25, bias: float mask, replace mask (finite fill)""")
         self.assertExpectedInline(rewrite_listing(g, *qkv(), keep), """\
 0 input (2, 4, 8, 16)
 1 input (2, 4, 8, 16)
@@ -799,7 +795,7 @@ fused: scale=0.25, bias: bool mask""")
             w = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")) + mask
             return F.softmax(w, dim=-1) @ v
 
-        def gpt2(q, k, v, mask):  # finfo.min fill + additive padding: refused (tests/test_masked_rows.py)
+        def gpt2(q, k, v, mask):  # finfo.min fill + additive padding: the op's replace mask (test_replace_mask.py)
             l = q.shape[2]
             keep = torch.ones(l, l, dtype=torch.bool).tril()
             w = q @ k.transpose(-2, -1) * 0.25
@@ -849,8 +845,22 @@ fused: scale=0.25, is_causal (tril/triu mask), bias: additive mask""")
 12 softmax(#11, -1, 3, None)
 13 matmul(#12, #3)
 14 output (#13)
---- after: unchanged ---
-not fused: a finite masked_fill/where (value -3.40282e+38) together with an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
+--- after ---
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 1, 1, 8)
+3 input (2, 4, 8, 16)
+4 ones(8, 8, dtype=bool)
+5 tril(#4, 0)
+6 where(#5, 0, -3.40282e+38)
+7 add(#6, #2, 1)
+8 logical_not(#5)
+9 fuse_plugin.attention(#0, #1, #3, #7, 0, False, 0.25, replace=#8)
+10 getitem(#9, 0)
+11 contiguous(#10)
+12 output (#11)
+--- report ---
+fused: scale=0.25, bias: float mask, replace mask (finite fill), causal mask (tril/triu mask) kept in the bias with its own values: is_causal's -inf masking would change rows masked everywhere""")
 
     def test_bottom_right_causal_is_not_is_causal(self):
         def f(q, k, v):  # a KV-cache step: query i sees keys <= i + (Lk - Lq)
@@ -1453,7 +1463,7 @@ def check_parity(spec: AttnSpec):
     spec = spec.valid()
     report = compare_compiled(spec)
     assert (report.count("attention") > 0) == spec.fused(), str(report)
-    assert any("is_causal" in site.detail for site in report.sites) == spec.causal(), str(report)
+    assert any("is_causal (" in site.detail for site in report.sites) == spec.causal(), str(report)
 
 
 PARITY_SPECS = [

@@ -64,6 +64,7 @@ ATOMIC = "attention_bwd_kernel"
     ("chained_tma", ["attention_fwd_tma_kernel"] * 2),
     ("float_mask_dbias", [FWD, PRE, ATOMIC]),
     ("bool_mask", [FWD, PRE, ATOMIC]),
+    ("replace_mask", [FWD, PRE, ATOMIC]),
     ("dropout", [FWD, PRE, ATOMIC]),
     ("d80", [FWD, PRE, ATOMIC]),
     ("fp32", [FWD, PRE, ATOMIC]),
@@ -103,6 +104,8 @@ def test_each_launch_writes_only_its_outputs(traced):
     # a float mask: the row statistics in natural units, and dS for the mask's gradient
     assert clones(traced["float_mask_dbias"])[PRE] == ["DQA", "Delta", "RowM", "RowR"]
     assert clones(traced["float_mask_dbias"])[ATOMIC] == ["DK", "DQA", "DS", "DV"]
+    # the replace mask is read, never written
+    assert clones(traced["replace_mask"]) == clones(traced["float_mask_dbias"])
 
 
 def test_gluon_kernels_stay_one_opaque_op_each(traced):

@@ -233,7 +233,7 @@ class InPlaceFills(expecttest.TestCase):
         self.assertEqual(reasons, [])
         _, after, report = capture(fill_in_place, *fill_inputs())
         self.assertNotIn("masked_fill_", after)
-        self.assertExpectedInline(report.sites[0].detail, """scale=0.25, bias: float mask""")
+        self.assertExpectedInline(report.sites[0].detail, """scale=0.25, bias: float mask, replace mask (finite fill)""")
 
     def test_two_writes_in_place_and_the_result_read(self):
         check_compiled(two_writes_in_place, fill_inputs(bias=True), fused=1)

@@ -12,6 +12,7 @@ eager: the output and the gradient of every input and parameter, rows masked eve
   5. ALiBi                             BLOOM: baddbmm(alibi, q, kᵀ, beta=1) on merged heads, weights viewed
                                        3-D; Falcon: alibi.view(B, H, 1, -1), the weights viewed as they are
   6. differentiable bias from q, k     DeBERTa-v2's disentangled attention (a bias with its gradient)
+                                       before a finite padding fill: the op's replace mask
   7. nn.MultiheadAttention             need_weights=True (the default) with the weights dropped (SigLIP's head)
   8. windowed attention, 5-D mask      timm Swin's shifted windows: view (B, nW, H, N, N) + mask, view back
                                        (timm is not installed here: the block is written the way timm writes it)
@@ -221,7 +222,7 @@ def deberta(q, k, v, pos_q, pos_k, keep, fill_last=True):
     fmin = torch.finfo(q.dtype).min
     if fill_last:
         s = (s + rel).view(-1, h, l, l).masked_fill(~keep4, fmin)
-    else:  # near miss: the term added after the fill (a row masked everywhere mixes both)
+    else:  # the term added after the fill (a row masked everywhere mixes filled and added scores)
         s = s.view(-1, h, l, l).masked_fill(~keep4, fmin) + rel.view(-1, h, l, l)
     p = F.dropout(F.softmax(s, dim=-1), p=0.0, training=True)
     out = torch.bmm(p.view(-1, l, l), v3)
@@ -358,15 +359,13 @@ class SpellingExpectTests(expecttest.TestCase):
 3 input (2, 4, 8, 16)
 4 eq(#2, 0)
 5 view(#4, (2, 1, 1, 8))
-6 all(#5, -1, True)
-7 where(#6, 0, #1)
-8 where(#5, -3.40282e+38, 0)
-9 fuse_plugin.attention(#7, #0, #3, #8, 0, False, 0.25)
-10 getitem(#9, 0)
-11 contiguous(#10)
-12 output (#11)
+6 where(#5, -3.40282e+38, 0)
+7 fuse_plugin.attention(#1, #0, #3, #6, 0, False, 0.25, replace=#5)
+8 getitem(#7, 0)
+9 contiguous(#8)
+10 output (#9)
 --- report ---
-fused: scale=0.25, bias: float mask""")
+fused: scale=0.25, bias: float mask, replace mask (finite fill)""")
 
     def test_negative_expanded_mask_also_returned(self):
         self.assertExpectedInline(rewrite_listing(expanded_mask_returned, *qkv(), keep_keys()), """\
@@ -701,7 +700,7 @@ fused: scale=0.25, bias: float mask""")
 --- after: unchanged ---
 not fused: baddbmm with beta=2.0 scales the bias it adds""")
 
-    def test_negative_deberta_bias_before_fill(self):  # refused: see attention_bias.causal_or_bias
+    def test_deberta_bias_before_fill(self):  # the op's replace mask: attention_bias.replace_mask
         self.assertExpectedInline(rewrite_listing(deberta, *qkv(), torch.randn(B * H, 2 * L, D), torch.randn(B * H, 2 * L, D), keep_keys()), """\
 0 input (2, 4, 8, 16)
 1 input (2, 4, 8, 16)
@@ -742,10 +741,45 @@ not fused: baddbmm with beta=2.0 scales the bias it adds""")
 36 bmm(#35, #8)
 37 view(#36, (-1, 4, 8, 16))
 38 output (#37)
---- after: unchanged ---
-not fused: a finite masked_fill/where (value -3.40282e+38) together with an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
+--- after ---
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 input (8, 16, 16)
+4 input (8, 16, 16)
+5 input (2, 8)
+6 reshape(#0, (8, 8, 16))
+7 reshape(#1, (8, 8, 16))
+8 tensor(16, dtype=float32)
+9 mul(#8, 3)
+10 sqrt(#9)
+11 to(#10, (float32))
+12 transpose(#3, -1, -2)
+13 bmm(#6, #12)
+14 transpose(#4, -1, -2)
+15 bmm(#7, #14)
+16 transpose(#15, -1, -2)
+17 getitem(#13, (Ellipsis, :8))
+18 div(#17, #10, None)
+19 getitem(#16, (Ellipsis, :8, :))
+20 div(#19, #10, None)
+21 add(#18, #20, 1)
+22 getitem(#5, (:, None, :, None))
+23 getitem(#5, (:, None, None, :))
+24 and_(#22, #23)
+25 unflatten(#21, 0, (2, 4))
+26 invert(#24)
+27 div(#0, #11, None)
+28 where(#26, -3.40282e+38, #25)
+29 fuse_plugin.attention(#27, #1, #2, #28, 0, False, 1, replace=#26)
+30 getitem(#29, 0)
+31 flatten(#30, 0, 1)
+32 view(#31, (-1, 4, 8, 16))
+33 output (#32)
+--- report ---
+fused: scale=1, run-time scale applied to q, bias: float mask, replace mask (finite fill)""")
 
-    def test_negative_deberta_term_after_fill(self):
+    def test_deberta_term_after_fill(self):  # the replace mask too, the term added after the fill
         self.assertExpectedInline(rewrite_listing(deberta_add_after_fill, *qkv(), torch.randn(B * H, 2 * L, D), torch.randn(B * H, 2 * L, D), keep_keys()), """\
 0 input (2, 4, 8, 16)
 1 input (2, 4, 8, 16)
@@ -787,8 +821,44 @@ not fused: a finite masked_fill/where (value -3.40282e+38) together with an addi
 37 bmm(#36, #8)
 38 view(#37, (-1, 4, 8, 16))
 39 output (#38)
---- after: unchanged ---
-not fused: a finite masked_fill/where (value -3.40282e+38) together with an additive mask: in a row masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)""")
+--- after ---
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 input (8, 16, 16)
+4 input (8, 16, 16)
+5 input (2, 8)
+6 reshape(#0, (8, 8, 16))
+7 reshape(#1, (8, 8, 16))
+8 tensor(16, dtype=float32)
+9 mul(#8, 3)
+10 sqrt(#9)
+11 to(#10, (float32))
+12 transpose(#3, -1, -2)
+13 bmm(#6, #12)
+14 transpose(#4, -1, -2)
+15 bmm(#7, #14)
+16 transpose(#15, -1, -2)
+17 getitem(#13, (Ellipsis, :8))
+18 div(#17, #10, None)
+19 getitem(#16, (Ellipsis, :8, :))
+20 div(#19, #10, None)
+21 add(#18, #20, 1)
+22 getitem(#5, (:, None, :, None))
+23 getitem(#5, (:, None, None, :))
+24 and_(#22, #23)
+25 invert(#24)
+26 view(#21, (-1, 4, 8, 8))
+27 div(#0, #11, None)
+28 where(#25, -3.40282e+38, 0)
+29 add(#28, #26, 1)
+30 fuse_plugin.attention(#27, #1, #2, #29, 0, False, 1, replace=#25)
+31 getitem(#30, 0)
+32 flatten(#31, 0, 1)
+33 view(#32, (-1, 4, 8, 16))
+34 output (#33)
+--- report ---
+fused: scale=1, run-time scale applied to q, bias: float mask, replace mask (finite fill)""")
 
     def test_mha_dead_weights(self):
         self.assertExpectedInline(rewrite_listing(lambda *a: mha_head(MHA, *a), torch.randn(B, 1, 64), torch.randn(B, L, 64), ~keep_keys()), """\
@@ -1016,10 +1086,10 @@ DIFFERENTIAL = [
     ("bloom", bloom, lambda: (*qkv(), _alibi(keep_keys(masked_batch=0)), additive(keep_keys(masked_batch=0))), 1),
     ("falcon_alibi", falcon_alibi, lambda: (*qkv(), _alibi(keep_keys()), additive(keep_keys(masked_batch=0))), 1),
     ("bloom_beta_2", bloom_beta2, lambda: (*qkv(), _alibi(keep_keys()), additive(keep_keys())), 0),
-    # DeBERTa-v2: its bias (from q and k terms) before a finite padding fill is refused
-    # (attention_bias.causal_or_bias: an additive term may itself be a mask)
-    ("deberta", deberta, lambda: (*qkv(), *_pos(), keep_keys(masked_batch=0)), 0),
-    ("deberta_term_after_fill", deberta_add_after_fill, lambda: (*qkv(), *_pos(), keep_keys(masked_batch=0)), 0),
+    # DeBERTa-v2: its bias (from q and k terms, with their gradients) before a finite padding fill,
+    # and the term added after the fill: the op's replace mask (attention_bias.replace_mask)
+    ("deberta", deberta, lambda: (*qkv(), *_pos(), keep_keys(masked_batch=0)), 1),
+    ("deberta_term_after_fill", deberta_add_after_fill, lambda: (*qkv(), *_pos(), keep_keys(masked_batch=0)), 1),
 ]
 
 
@@ -1141,9 +1211,9 @@ FUZZ_CASES = int(os.environ.get("FUSE_PLUGIN_SPELLING_FUZZ", "16"))
 @pytest.mark.parametrize("seed", range(FUZZ_CASES))
 def test_spelling_fuzz(seed):
     """Compiled vs eager, output and every gradient, on random cases of the spellings (16 in CI;
-    FUSE_PLUGIN_SPELLING_FUZZ=500 for more). Every case must fuse (1 site; DeBERTa's: 0) and agree."""
+    FUSE_PLUGIN_SPELLING_FUZZ=500 for more). Every case must fuse (1 site) and agree."""
     name, fn, args, tol = _fuzz_case(seed)
-    differential(fn, *args, fused=0 if name == "deberta" else 1, tol=tol)  # deberta: refused, see SPELLINGS
+    differential(fn, *args, fused=1, tol=tol)
 
 
 # =============================================================================== the output's layout

@@ -40,10 +40,10 @@ and it fuses none of NEAR_MISSES (the weights returned too, a tensor scale, an i
 (9 and 10, the scale on q with casts around the softmax, are not fused by stock in float32; in training
 stock matches only the patterns above, and with dropout p = 0.3.)
 
-Known gap, marked xfail(strict=True) in CI (NOT_FUSED_BY_US): sfdp_19, GPT-2's `where(causal, s,
-finfo.min) + padding`. The plugin refuses a finite fill followed by an additive mask on purpose
-(issue 14, A/C: in a row masked everywhere eager mixes filled and added scores; see
-tests/test_masked_rows.py), also when the causal mask is a tril built in the graph; stock fuses it.
+The plugin fuses every case stock fuses (NOT_FUSED_BY_US is empty; a gap would be marked
+xfail(strict=True) there). sfdp_19, GPT-2's `where(causal, s, finfo.min) + padding`, a finite fill
+followed by an additive mask, is fused with the op's replace mask (patterns/attention_bias.py: in a
+row masked everywhere eager mixes filled and added scores, which the op then computes as eager).
 """
 import functools
 import math
@@ -426,10 +426,7 @@ def _stock_fuses_from_docstring() -> set:
 STOCK_FUSES = _stock_fuses_from_docstring()
 
 # Cases the plugin does not fuse (in any mode), with the reason: xfail(strict=True) in CI.
-NOT_FUSED_BY_US = {
-    "sfdp_19": "refused on purpose: a finite where-fill (finfo.min) followed by an additive mask "
-               "(eager's fully masked rows mix filled and added scores); stock Inductor fuses it",
-}
+NOT_FUSED_BY_US: dict = {}
 
 
 # --- running a case ----------------------------------------------------------------------------

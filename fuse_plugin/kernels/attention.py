@@ -34,6 +34,12 @@ Shapes and layouts
   is the gradient of the capped scores). The TMA and Gluon kernels have no softcap: a table entry
   naming one yields to the general kernels for a softcapped call, a user config raises
   (``_softcap_config``).
+* Replace mask (``replace``, bool (B, Hq, Lq, Lk), any strides, 0 where broadcast; with a float
+  bias only): where it holds, the score is the bias alone, ``where(replace, bias, s + bias)``
+  (s after the softcap), and dS reaches dq/dk only where it does not (dbias is dS everywhere).
+  The general kernels (forward, both backward paths, the preprocess's exact recomputation) read
+  it as a uint8 view under the ``HAS_REPLACE`` constexpr (off: the same kernels as without it);
+  the TMA and Gluon kernels have none (``_softcap_config`` keeps them out, as for a softcap).
 
 Numerics
 --------
@@ -548,20 +554,37 @@ _SOFTCAP_KERNELS = {"fwd": ("general",), "bwd": ("general", "two_kernel")}
 
 
 def _softcap_config(kernel: str, cfg: AttentionConfig, user_given: bool, D: int, Dv: int,
-                    q: torch.Tensor, bias_elt: int) -> AttentionConfig:
-    """The config a softcapped call runs with: the TMA and Gluon kernels have no softcap, so a
-    table entry naming one of them yields to the general kernels' heuristic tiles (a "tma_pair"
-    entry to the general atomic-free pair) and a user config naming one raises."""
+                    q: torch.Tensor, bias_elt: int, what: str = "softcap") -> AttentionConfig:
+    """The config a softcapped call (or one with a replace mask: ``what``) runs with: the TMA and
+    Gluon kernels have neither, so a table entry naming one of them yields to the general
+    kernels' heuristic tiles (a "tma_pair" entry to the general atomic-free pair) and a user
+    config naming one raises."""
     if cfg.kernel in _SOFTCAP_KERNELS[kernel]:
         return cfg
     if user_given:
         raise ValueError(f"config {cfg} asks for the {cfg.kernel!r} {kernel} kernel, which has no "
-                         f"softcap (kernels with one: {_SOFTCAP_KERNELS[kernel]})")
+                         f"{what} (kernels with one: {_SOFTCAP_KERNELS[kernel]})")
     if kernel == "bwd" and cfg.kernel == "tma_pair":
         return _tma_pair_fallback(D, Dv, q.dtype)
     heuristic = _forward_config if kernel == "fwd" else _backward_config
     return _fit_smem(kernel, heuristic(D, Dv, q.dtype), D, Dv, q.element_size(), bias_elt,
                      q.device)
+
+
+def _replace_args(replace: Optional[torch.Tensor], kind: int, q: torch.Tensor, bias_shape):
+    """(tensor, strides, HAS_REPLACE) kernel arguments of the replace mask: a same-strided uint8
+    view of the bool mask, or q and zero strides without one (never read then)."""
+    if replace is None:
+        return q, (0, 0, 0, 0), False
+    if replace.dtype != torch.bool:
+        raise ValueError(f"replace must be a bool tensor, got {replace.dtype}")
+    if kind != _FLOAT_BIAS:
+        raise ValueError("replace needs a floating-point bias (the value a replaced score takes)")
+    if tuple(replace.shape) != tuple(bias_shape):
+        raise ValueError(f"replace must be broadcast to {tuple(bias_shape)}, got {tuple(replace.shape)}")
+    if replace.device != q.device:
+        raise ValueError(f"replace is on {replace.device}, q on {q.device}")
+    return replace.view(torch.uint8), replace.stride(), True
 
 
 def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor):
@@ -860,13 +883,15 @@ def _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m, is_causal, sca
 def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
                       config: Optional[AttentionConfig] = None, rope: Optional[Rope] = None,
                       dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
-                      softcap: float = 0.0):
+                      softcap: float = 0.0, replace: Optional[torch.Tensor] = None):
     """Returns ``(out, lse)``; see the module docstring for shapes and semantics. With ``rope``
     (a ``Rope``), q and k are un-rotated and rotated in registers after each load. With
     ``dropout_p > 0`` the weights are dropped by the draw of ``_dropout_keep`` under
     ``dropout_seed`` (one int64 on q's device) and the kept ones scaled by 1/(1-p); lse is of the
     undropped scores. With ``softcap`` c > 0 the scores are c·tanh(q·kᵀ·scale / c) before the
-    bias and the masks (general kernels only: ``_softcap_config``)."""
+    bias and the masks (general kernels only: ``_softcap_config``). With ``replace`` (bool,
+    (B, Hq, Lq, Lk), a float bias) the scores where it holds are the bias alone (general
+    kernels only)."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     B, Hq, Lq, D = q.shape
@@ -882,6 +907,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         return out, lse
     cos, sin, scq, sck, rc = _rope_args(rope, q, k)
     kind, bias_t, sb = _bias_args(bias, q)
+    rep_t, sr, has_rep = _replace_args(replace, kind, q, (B, Hq, Lq, Lk))
     seed, drop_thresh, inv_keep, dropout = _dropout_args(dropout_p, dropout_seed, q)
     user_given = config is not None
     cfg = AttentionConfig(*config) if user_given else _pick_config(
@@ -890,6 +916,8 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     score_scale, cap, softcapped = _softcap_args(kind, scale, softcap)
     if softcapped:
         cfg = _softcap_config("fwd", cfg, user_given, D, Dv, q, _bias_elt(bias_t, kind))
+    if has_rep:
+        cfg = _softcap_config("fwd", cfg, user_given, D, Dv, q, _bias_elt(bias_t, kind), "replace mask")
     tma_checked = None  # (_tma_ineligible's answer,) once asked: a Gluon entry asks it first
     if cfg.kernel in _GLUON_KERNELS:
         tma_checked = (_tma_ineligible(q, k, v, out, kind, rc, dropout, scale, D, Dv,
@@ -941,15 +969,17 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         _check_tile_offsets([("q", *q.stride()[2:], bm, dcols),
                              ("k", *k.stride()[2:], bn, dcols),
                              ("v", *v.stride()[2:], bn, dv0 + dv1),
-                             ("out", *out.stride()[2:], bm, dv0 + dv1), ("bias", *sb[2:], bm, bn)]
+                             ("out", *out.stride()[2:], bm, dv0 + dv1), ("bias", *sb[2:], bm, bn),
+                             ("replace", *sr[2:], bm, bn)]
                             + _table_tiles(scq, sck, bm, bn, cos.shape[-1]))
         grid = (_cdiv(Lq, bm) * B * Hq,)
         launch(
-            attention_fwd_kernel, grid, q, k, v, bias_t, out_buf, lse, cos, sin,
-            *q.stride(), *k.stride(), *v.stride(), *sb, *out.stride(), *lse.stride(), *scq, *sck,
+            attention_fwd_kernel, grid, q, k, v, bias_t, rep_t, out_buf, lse, cos, sin,
+            *q.stride(), *k.stride(), *v.stride(), *sb, *sr, *out.stride(), *lse.stride(), *scq,
+            *sck,
             Hq, Hq // Hkv, Lq, Lk, score_scale, seed, drop_thresh, inv_keep, cap, D, Dv,
             IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, SCALE_POS=bool(scale >= 0),
-            DROPOUT=dropout, SOFTCAP=softcapped,
+            DROPOUT=dropout, SOFTCAP=softcapped, HAS_REPLACE=has_rep,
             PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
             BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
             writes=("Out", "Lse"),
@@ -964,14 +994,16 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                        need_dbias: bool, config: Optional[AttentionConfig] = None,
                        deterministic: Optional[bool] = None, rope: Optional[Rope] = None,
                        dropout_p: float = 0.0, dropout_seed: Optional[torch.Tensor] = None,
-                       group_split: Optional[int] = None, softcap: float = 0.0):
+                       group_split: Optional[int] = None, softcap: float = 0.0,
+                       replace: Optional[torch.Tensor] = None):
     """Returns ``(dq, dk, dv, dbias_or_None)``; see the module docstring. ``deterministic``
     (default: ``torch.are_deterministic_algorithms_enabled()``) picks the atomic-free kernels.
     With ``rope``, q and k are the un-rotated inputs and dq/dk the gradients w.r.t. them.
     ``group_split`` (atomic path and "tma_pair", default ``_group_split``) shares each GQA
     group's query heads out over that many programs, whose fp32 dK/dV partials are then
     summed. ``softcap``: as in ``attention_forward``; dbias is the gradient of the softcapped
-    scores (dq/dk go on through the softcap)."""
+    scores (dq/dk go on through the softcap). ``replace``: as in ``attention_forward``; dbias is
+    dS everywhere, dq/dk take none of it where the mask holds."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     dout = _unit_last_stride(dout)  # the forward's layout (out_layout): read by its strides
@@ -990,6 +1022,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
 
     cos, sin, scq, sck, rc = _rope_args(rope, q, k)
     kind, bias_t, sb = _bias_args(bias, q)
+    rep_t, sr, has_rep = _replace_args(replace, kind, q, (B, Hq, Lq, Lk))
     seed, drop_thresh, inv_keep, dropout = _dropout_args(dropout_p, dropout_seed, q)
     user_given = config is not None
     if user_given:
@@ -1002,6 +1035,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     score_scale, cap, softcapped = _softcap_args(kind, scale, softcap)
     if softcapped:
         cfg = _softcap_config("bwd", cfg, user_given, D, Dv, q, _bias_elt(bias_t, kind))
+    if has_rep:
+        cfg = _softcap_config("bwd", cfg, user_given, D, Dv, q, _bias_elt(bias_t, kind), "replace mask")
     use_tma_pair = False
     if cfg.kernel == "tma_pair":
         why_not = "it writes no dbias" if need_dbias else \
@@ -1068,8 +1103,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                             dev)
     if not user_given and not deterministic:
         cfg = _rope_adjust("bwd", cfg, q.dtype, rc)
-    common = dict(IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, PRECISION=_dot_precision(q),
-                  UPCAST_DOT=_upcast_dot(q))
+    common = dict(IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, HAS_REPLACE=has_rep,
+                  PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q))
     # The atomic-free kernels and the preprocess read q/k whole (one tile) or as the rope parts.
     one = _qk_parts(D, False, rc)
     W = cos.shape[-1]
@@ -1082,8 +1117,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     pre_m = 64
     launch(
         attention_bwd_preprocess_kernel, (_cdiv(Lq, pre_m) * B * Hq,),
-        out, dout, lse, delta, row_m, row_r, q, k, bias_t, dqa, cos, sin,
-        *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *sb, *scq, *sck,
+        out, dout, lse, delta, row_m, row_r, q, k, bias_t, rep_t, dqa, cos, sin,
+        *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *sb, *sr, *scq,
+        *sck,
         Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, cap, ZERO_DQ=not deterministic,
         SOFTCAP=softcapped, **common,
         BLOCK_M=pre_m, BLOCK_N=32, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv),
@@ -1140,11 +1176,12 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                                  ("k", *k.stride()[2:], bn, dcols),
                                  ("v", *v.stride()[2:], bn, dv0 + dv1),
                                  ("dout", *dout.stride()[2:], bm, dv0 + dv1),
-                                 ("bias", *sb[2:], bm, bn), ("dbias", Lk, 1, bm, bn)]
+                                 ("bias", *sb[2:], bm, bn), ("replace", *sr[2:], bm, bn),
+                                 ("dbias", Lk, 1, bm, bn)]
                                 + _table_tiles(scq, sck, bm, bn, W))
             launch(
-                attention_bwd_kernel, (_cdiv(Lk, bn) * B * Hkv * split,), q, k, v, bias_t, dout, dqa, dk_out, dv_out, ds_t, delta, row_m, row_r, cos, sin,
-                *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk_strides,
+                attention_bwd_kernel, (_cdiv(Lk, bn) * B * Hkv * split,), q, k, v, bias_t, rep_t, dout, dqa, dk_out, dv_out, ds_t, delta, row_m, row_r, cos, sin,
+                *q.stride(), *k.stride(), *v.stride(), *sb, *sr, *dout.stride(), *dk_strides,
                 *dv_strides, *ds_strides, *scq, *sck,
                 Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale, scale, seed, drop_thresh, inv_keep,
                 split, *split_strides, cap,
@@ -1175,19 +1212,20 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     # out/dout/dq are read with BLOCK_M rows, dk/dv with BLOCK_N rows (dbias is contiguous).
     _check_tile_offsets([("q", *q.stride()[2:], bm, dcols), ("k", *k.stride()[2:], bn, dcols),
                          ("v", *v.stride()[2:], bn, bdv), ("out", *out.stride()[2:], bm, bdv),
-                         ("bias", *sb[2:], bm, bn), ("dbias", Lk, 1, bm, bn)]
+                         ("bias", *sb[2:], bm, bn), ("replace", *sr[2:], bm, bn),
+                         ("dbias", Lk, 1, bm, bn)]
                         + _table_tiles(scq, sck, bm, bn, W))
     consts = dict(common, BLOCK_M=bm, BLOCK_N=bn, BLOCK_DV=bdv, D0=one[0], D1=one[1], D2=one[2],
                   **rc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     launch(
-        attention_bwd_dkdv_kernel, (_cdiv(Lk, bn) * B * Hkv,), q, k, v, bias_t, dout, dk, dv, delta, row_m, row_r, cos, sin,
-        *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dk.stride(), *dv.stride(),
+        attention_bwd_dkdv_kernel, (_cdiv(Lk, bn) * B * Hkv,), q, k, v, bias_t, rep_t, dout, dk, dv, delta, row_m, row_r, cos, sin,
+        *q.stride(), *k.stride(), *v.stride(), *sb, *sr, *dout.stride(), *dk.stride(), *dv.stride(),
         *scq, *sck, Hq, Hkv, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,
         inv_keep, cap, DROPOUT=dropout, SOFTCAP=softcapped, **consts, writes=("DK", "DV"),
     )
     launch(
-        attention_bwd_dq_kernel, (_cdiv(Lq, bm) * B * Hq,), q, k, v, bias_t, dout, dq, ds_t, delta, row_m, row_r, cos, sin,
-        *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *dq.stride(), *ds_strides,
+        attention_bwd_dq_kernel, (_cdiv(Lq, bm) * B * Hq,), q, k, v, bias_t, rep_t, dout, dq, ds_t, delta, row_m, row_r, cos, sin,
+        *q.stride(), *k.stride(), *v.stride(), *sb, *sr, *dout.stride(), *dq.stride(), *ds_strides,
         *scq, *sck, Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, scale, seed, drop_thresh,
         inv_keep, cap, NEED_DS=bool(need_dbias), DROPOUT=dropout, SOFTCAP=softcapped, **consts,
         writes=("DQ",) + (("DS",) if need_dbias else ()),

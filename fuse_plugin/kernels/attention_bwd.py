@@ -38,17 +38,19 @@ from .attention_tiles import (
 
 @triton.jit
 def attention_bwd_preprocess_kernel(
-    Out, DO, Lse, Delta, RowM, RowR, Q, K, Bias, DQA, Cos, Sin,
+    Out, DO, Lse, Delta, RowM, RowR, Q, K, Bias, Rep, DQA, Cos, Sin,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_rb, stride_rh, stride_rm, stride_rn,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, cap,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ZERO_DQ: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_REPLACE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -99,6 +101,7 @@ def attention_bwd_preprocess_kernel(
             kvh = h // kv_group
             k_base = K + b * stride_kb + kvh * stride_kh
             bias_base = Bias + b * stride_bb + h * stride_bh
+            rep_base = Rep + b * stride_rb + h * stride_rh
             ck_base = Cos + b * stride_ckb + kvh * stride_ckh
             sk_base = Sin + b * stride_ckb + kvh * stride_ckh
             q0, q1, q2 = _load_qk(Q + b * stride_qb + h * stride_qh, start_m, Lq, stride_qm,
@@ -117,9 +120,10 @@ def attention_bwd_preprocess_kernel(
                                       stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED,
                                       HALF_TABLE, BLOCK_N)
                 qk = _dot_nt(q0, q1, q2, k0, k1, k2, D1, D2, PRECISION, UPCAST_DOT)
-                s, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq,
-                                      Lk, bias_base, stride_bm, stride_bn, score_scale, cap,
-                                      IS_CAUSAL, BIAS_KIND, True, SOFTCAP)
+                s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :],
+                                         Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
+                                         stride_rm, stride_rn, score_scale, cap, IS_CAUSAL,
+                                         BIAS_KIND, True, SOFTCAP, HAS_REPLACE)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 l_i = l_i * _exp(m_i - m_ref, True) + tl.sum(_exp(s - m_ref[:, None], True), 1)
@@ -143,7 +147,8 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
               ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m, offs_n,
               offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn,
               stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
-              seed, bh, drop_thresh, inv_keep, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+              seed, bh, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn,
+              DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
               D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
@@ -169,14 +174,16 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
     if BIAS_KIND == 0 and not (MASK or SOFTCAP):  # (two operands: Triton 3.6 refuses chains)
         p_t = tl.exp2(qk_t * score_scale - row_m[None, :])
         t_t = qk_t  # unused
+        rep_t = 0  # unused
     else:
         if BIAS_KIND == 2:
             row_r = tl.load(RowR + stat_base + rows, mask=row_ok, other=0.0)
         else:
             row_r = row_m  # unused
-        s_t, t_t = _capped_scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None], Lq,
-                                  Lk, bias_base, stride_bm, stride_bn, score_scale, cap,
-                                  IS_CAUSAL, BIAS_KIND, MASK, SOFTCAP)
+        s_t, t_t, rep_t = _capped_scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None],
+                                         Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
+                                         stride_rm, stride_rn, score_scale, cap, IS_CAUSAL,
+                                         BIAS_KIND, MASK, SOFTCAP, HAS_REPLACE)
         p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
     if DROPOUT:
         keep = _dropout_keep(seed, bh, start_m, start_n, offs_m, offs_n, drop_thresh, True)
@@ -196,6 +203,8 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
         ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[None, :], offs_n[:, None],
                              stride_dsm, stride_dsn)
         tl.store(ds_ptrs, ds_t, mask=row_ok[None, :] & (start_n + offs_n < Lk)[:, None])
+    if HAS_REPLACE:  # a replaced score is the bias alone: no gradient into q·kᵀ (dbias above has it)
+        ds_t = tl.where(rep_t, 0.0, ds_t)
     if SOFTCAP:  # dS w.r.t. the scaled scores before the softcap (dbias above is after it)
         ds_t = ds_t * (1.0 - t_t * t_t)
     dsc = ds_t.to(q0.dtype)
@@ -211,11 +220,12 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
 
 @triton.jit
 def attention_bwd_kernel(
-    Q, K, V, Bias, DO, DQA, DK, DV, DS, Delta, RowM, RowR, Cos, Sin,
+    Q, K, V, Bias, Rep, DO, DQA, DK, DV, DS, Delta, RowM, RowR, Cos, Sin,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_rb, stride_rh, stride_rm, stride_rn,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
@@ -226,7 +236,7 @@ def attention_bwd_kernel(
     Seed, drop_thresh, inv_keep, group_split, split_stride_dk, split_stride_dv, cap,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
-    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
@@ -273,6 +283,7 @@ def attention_bwd_kernel(
         do_base = DO + b * stride_dob + h * stride_doh
         dq_base = DQA + (b * Hq + h) * Lq * D
         bias_base = Bias + b * stride_bb + h * stride_bh
+        rep_base = Rep + b * stride_rb + h * stride_rh
         ds_base = DS + b * stride_dsb + h * stride_dsh
         cq_base = Cos + b * stride_cqb + h * stride_cqh
         sq_base = Sin + b * stride_cqb + h * stride_cqh
@@ -291,7 +302,8 @@ def attention_bwd_kernel(
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
                 offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
                 stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
-                seed, b * Hq + h, drop_thresh, inv_keep, DROPOUT, SOFTCAP,
+                seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn, DROPOUT,
+                SOFTCAP, HAS_REPLACE,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
@@ -303,7 +315,8 @@ def attention_bwd_kernel(
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
                 offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
                 stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
-                seed, b * Hq + h, drop_thresh, inv_keep, DROPOUT, SOFTCAP,
+                seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn, DROPOUT,
+                SOFTCAP, HAS_REPLACE,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, False, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
 
@@ -376,11 +389,12 @@ def attention_dq_rope_cast_kernel(
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, Bias, DO, DK, DV, Delta, RowM, RowR, Cos, Sin,
+    Q, K, V, Bias, Rep, DO, DK, DV, Delta, RowM, RowR, Cos, Sin,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_rb, stride_rh, stride_rm, stride_rn,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
@@ -389,7 +403,7 @@ def attention_bwd_dkdv_kernel(
     Hq, Hkv, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
     Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -435,6 +449,7 @@ def attention_bwd_dkdv_kernel(
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         bias_base = Bias + b * stride_bb + h * stride_bh
+        rep_base = Rep + b * stride_rb + h * stride_rh
         cq_base = Cos + b * stride_cqb + h * stride_cqh
         sq_base = Sin + b * stride_cqb + h * stride_cqh
         stat_base = (b * Hq + h) * Lq
@@ -453,9 +468,11 @@ def attention_bwd_dkdv_kernel(
             else:
                 row_r = row_m  # unused
             qk_t = _dot_nt(k0, k1, k2, q0, q1, q2, D1, D2, PRECISION, UPCAST_DOT)
-            s_t, t_t = _capped_scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None],
-                                      Lq, Lk, bias_base, stride_bm, stride_bn, score_scale, cap,
-                                      IS_CAUSAL, BIAS_KIND, True, SOFTCAP)
+            s_t, t_t, rep_t = _capped_scores(qk_t, start_m, start_n, offs_m[None, :],
+                                             offs_n[:, None], Lq, Lk, bias_base, stride_bm,
+                                             stride_bn, rep_base, stride_rm, stride_rn,
+                                             score_scale, cap, IS_CAUSAL, BIAS_KIND, True,
+                                             SOFTCAP, HAS_REPLACE)
             p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
             if DROPOUT:
@@ -466,6 +483,8 @@ def attention_bwd_dkdv_kernel(
             else:
                 dv += _dot(p_t.to(do.dtype), do, PRECISION, UPCAST_DOT)
             ds_t = p_t * (dp_t - delta[None, :])
+            if HAS_REPLACE:  # a replaced score is the bias alone: no gradient into q·kᵀ
+                ds_t = tl.where(rep_t, 0.0, ds_t)
             if SOFTCAP:  # through the softcap: d(c·tanh(x/c))/dx = 1 - tanh²
                 ds_t = ds_t * (1.0 - t_t * t_t)
             dsc = ds_t.to(q0.dtype)
@@ -491,11 +510,12 @@ def attention_bwd_dkdv_kernel(
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, Bias, DO, DQ, DS, Delta, RowM, RowR, Cos, Sin,
+    Q, K, V, Bias, Rep, DO, DQ, DS, Delta, RowM, RowR, Cos, Sin,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_rb, stride_rh, stride_rm, stride_rn,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_dsb, stride_dsh, stride_dsm, stride_dsn,
@@ -504,7 +524,7 @@ def attention_bwd_dq_kernel(
     Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
     Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
-    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -528,6 +548,7 @@ def attention_bwd_dq_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     bias_base = Bias + b * stride_bb + h * stride_bh
+    rep_base = Rep + b * stride_rb + h * stride_rh
     ds_base = DS + b * stride_dsb + h * stride_dsh
     cq_base = Cos + b * stride_cqb + h * stride_cqh
     sq_base = Sin + b * stride_cqb + h * stride_cqh
@@ -559,9 +580,10 @@ def attention_bwd_dq_kernel(
                               HALF_TABLE, BLOCK_N)
         v = _load_tile(v_base, start_n, Lk, Dv, stride_vn, stride_vd, BLOCK_N, BLOCK_DV)
         qk = _dot_nt(q0, q1, q2, k0, k1, k2, D1, D2, PRECISION, UPCAST_DOT)
-        s, t = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
-                              bias_base, stride_bm, stride_bn, score_scale, cap, IS_CAUSAL,
-                              BIAS_KIND, True, SOFTCAP)
+        s, t, rep = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
+                                   bias_base, stride_bm, stride_bn, rep_base, stride_rm,
+                                   stride_rn, score_scale, cap, IS_CAUSAL, BIAS_KIND, True,
+                                   SOFTCAP, HAS_REPLACE)
         p = _probs(s, row_m[:, None], row_r[:, None], BIAS_KIND)
         dp = _dot(do, tl.trans(v), PRECISION, UPCAST_DOT)
         if DROPOUT:
@@ -572,6 +594,8 @@ def attention_bwd_dq_kernel(
             ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[:, None], offs_n[None, :],
                                  stride_dsm, stride_dsn)
             tl.store(ds_ptrs, ds, mask=row_ok[:, None] & (start_n + offs_n < Lk)[None, :])
+        if HAS_REPLACE:  # a replaced score is the bias alone: no gradient into q·kᵀ
+            ds = tl.where(rep, 0.0, ds)
         if SOFTCAP:  # dbias above is after the softcap; dQ goes through it
             ds = ds * (1.0 - t * t)
         dsc = ds.to(k0.dtype)

@@ -29,7 +29,8 @@ from .attention_tiles import (
 def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
               start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
               stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale, cap,
-              seed, bh, drop_thresh, DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+              seed, bh, drop_thresh, rep_base, stride_rm, stride_rn,
+              DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
               D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
@@ -44,9 +45,10 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
     qk = _dot_nt(q0, q1, q2, k0, k1, k2, D1, D2, PRECISION, UPCAST_DOT)
     if BIAS_KIND == 0:
         if MASK or SOFTCAP:
-            s, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
-                                  bias_base, stride_bm, stride_bn, score_scale, cap, IS_CAUSAL,
-                                  BIAS_KIND, MASK, SOFTCAP)
+            s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq,
+                                     Lk, bias_base, stride_bm, stride_bn, rep_base, stride_rm,
+                                     stride_rn, score_scale, cap, IS_CAUSAL, BIAS_KIND, MASK,
+                                     SOFTCAP, HAS_REPLACE)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
         else:
@@ -62,9 +64,10 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
             p = tl.exp2(qk * score_scale - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
     else:
-        s, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
-                              bias_base, stride_bm, stride_bn, score_scale, cap, IS_CAUSAL,
-                              BIAS_KIND, MASK, SOFTCAP)
+        s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
+                                 bias_base, stride_bm, stride_bn, rep_base, stride_rm, stride_rn,
+                                 score_scale, cap, IS_CAUSAL, BIAS_KIND, MASK, SOFTCAP,
+                                 HAS_REPLACE)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A bias can mask a row's whole block: while a row has seen only -inf, use 0 as the
         # reference so that (-inf) - (-inf) never produces NaN (p and alpha are then 0).
@@ -86,11 +89,12 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, Bias, Out, Lse, Cos, Sin,
+    Q, K, V, Bias, Rep, Out, Lse, Cos, Sin,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_rb, stride_rh, stride_rm, stride_rn,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
@@ -99,7 +103,7 @@ def attention_fwd_kernel(
     Seed, drop_thresh, inv_keep, cap,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, SCALE_POS: tl.constexpr,
-    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr,
+    DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
@@ -122,6 +126,7 @@ def attention_fwd_kernel(
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
     bias_base = Bias + b * stride_bb + h * stride_bh
+    rep_base = Rep + b * stride_rb + h * stride_rh  # the replace mask (HAS_REPLACE; uint8)
     # rope tables (ROT > 0) at this query head and at its kv head
     cq_base = Cos + b * stride_cqb + h * stride_cqh
     sq_base = Sin + b * stride_cqb + h * stride_cqh
@@ -150,7 +155,8 @@ def attention_fwd_kernel(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
             start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
             stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale, cap,
-            seed, pid_bh, drop_thresh, DROPOUT, SOFTCAP,
+            seed, pid_bh, drop_thresh, rep_base, stride_rm, stride_rn, DROPOUT, SOFTCAP,
+            HAS_REPLACE,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, False, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
     for start_n in range(full_end, hi, BLOCK_N):
@@ -158,7 +164,8 @@ def attention_fwd_kernel(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
             start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
             stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale, cap,
-            seed, pid_bh, drop_thresh, DROPOUT, SOFTCAP,
+            seed, pid_bh, drop_thresh, rep_base, stride_rm, stride_rn, DROPOUT, SOFTCAP,
+            HAS_REPLACE,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
 

@@ -380,8 +380,22 @@ def _pair_ptrs(base, row0, col0, r, c, stride_r, stride_c):
 
 
 @triton.jit
-def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, score_scale,
-            IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr):
+def _replaced(rep_base, row0, col0, r, c, Lq, Lk, stride_rm, stride_rn, HAS_REPLACE: tl.constexpr):
+    """The replace mask's tile (True: the score is replaced by the bias; out of range False), laid
+    out like the score tile (see ``_scores``); without HAS_REPLACE nothing is loaded (0, unused)."""
+    if HAS_REPLACE:
+        ptrs = _pair_ptrs(rep_base, row0, col0, r, c, stride_rm, stride_rn)
+        in_range = ((row0 + r) < Lq) & ((col0 + c) < Lk)
+        rep = tl.load(ptrs, mask=in_range, other=0) != 0
+    else:
+        rep = 0
+    return rep
+
+
+@triton.jit
+def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, score_scale,
+            IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
+            HAS_REPLACE: tl.constexpr):
     """Scale, bias and mask a tile of raw dot products ``qk``.
 
     Query index = row0 + r, key index = col0 + c, with ``r``/``c`` aranges shaped to broadcast
@@ -389,8 +403,12 @@ def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, score
     Units: natural log with a float bias (score_scale = scale), log2 otherwise
     (score_scale = scale * log2(e)). Masked entries (bool False, and with MASK the padding keys
     and the causally hidden ones) are -inf. MASK=False is for tiles known to be fully visible.
+    HAS_REPLACE (a float bias only): where ``rep`` (``_replaced``) holds, the score is the bias
+    alone, where(rep, bias, s + bias).
     """
     s = qk * score_scale
+    if HAS_REPLACE:
+        s = tl.where(rep, 0.0, s)
     if BIAS_KIND != 0:
         b_ptrs = _pair_ptrs(bias_base, row0, col0, r, c, stride_bm, stride_bn)
         in_range = ((row0 + r) < Lq) & ((col0 + c) < Lk)
@@ -424,23 +442,26 @@ def _tanh(x):
 
 
 @triton.jit
-def _capped_scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, score_scale,
-                   cap, IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
-                   SOFTCAP: tl.constexpr):
-    """``_scores`` with the softcap (``SOFTCAP``) applied before the bias and the masks:
-    (s, t) with s = cap·t (+ bias, masks) and t = tanh(qk·score_scale); the launcher passes
-    score_scale = scale / softcap and cap = softcap in the kernel's units (times log2(e) without
-    a float bias). Without SOFTCAP: (``_scores``, qk) with score_scale as usual (t unused).
-    The backward's chain rule needs t: dS/d(qk·scale) = 1 - t²."""
+def _capped_scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
+                   stride_rm, stride_rn, score_scale, cap, IS_CAUSAL: tl.constexpr,
+                   BIAS_KIND: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                   HAS_REPLACE: tl.constexpr):
+    """``_scores`` with the softcap (``SOFTCAP``) applied before the replace mask, the bias and
+    the masks: (s, t, rep) with s = cap·t (+ bias, masks) and t = tanh(qk·score_scale); the
+    launcher passes score_scale = scale / softcap and cap = softcap in the kernel's units (times
+    log2(e) without a float bias). Without SOFTCAP: (``_scores``, qk, rep) with score_scale as
+    usual (t unused). ``rep``: the replace mask's tile (``_replaced``; 0 without HAS_REPLACE).
+    The backward's chain rule needs t and rep: dS/d(qk·scale) = (1 - t²)·(not rep)."""
+    rep = _replaced(rep_base, row0, col0, r, c, Lq, Lk, stride_rm, stride_rn, HAS_REPLACE)
     if SOFTCAP:
         t = _tanh(qk * score_scale)
-        s = _scores(t, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, cap,
-                    IS_CAUSAL, BIAS_KIND, MASK)
+        s = _scores(t, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, cap,
+                    IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE)
     else:
         t = qk
-        s = _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, score_scale,
-                    IS_CAUSAL, BIAS_KIND, MASK)
-    return s, t
+        s = _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep,
+                    score_scale, IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE)
+    return s, t, rep
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """`fuse_plugin::attention` and its backward op.
 
     out, lse = torch.ops.fuse_plugin.attention(q, k, v, attn_bias, dropout_p, is_causal, scale,
-                                               dropout_seed=None, softcap=0.0)
+                                               dropout_seed=None, softcap=0.0, replace=None)
 
 computes softmax(q·kᵀ·scale + bias [causal]) · v (with softcap c > 0:
 softmax(c·tanh(q·kᵀ·scale / c) + bias [causal]) · v, Gemma 2's and Grok's logit softcapping,
@@ -24,6 +24,17 @@ down to a multiple of 2**-16 and the scale is the exact inverse of that keep rat
 device, from `new_dropout_seed`, i.e. from torch's RNG, so `torch.manual_seed` makes it
 repeatable): the backward redraws the same mask, and the CPU reference draws it bit for bit like
 the kernels (reference.dropout_keep). dropout_p > 0 without a seed is an error.
+
+Replace: `replace` None, or a bool tensor broadcastable to (B, Hq, Lq, Lk) next to a float
+attn_bias: where it is True the score is REPLACED by the bias instead of having the bias added,
+
+    s = where(replace, attn_bias, q·kᵀ·scale [softcapped] + attn_bias)     [then causal]
+
+so a replaced score takes exactly the bias's value and no gradient flows into q or k from it,
+while the bias's gradient is dS everywhere (also where replaced: there s is the bias itself).
+This is what a finite masked_fill / where of the scores next to additive terms computes
+(patterns/attention_bias.py builds the bias by replaying the chain's masks on zero scores and
+the mask as the union of the fill masks). Only the general Triton kernels take it, as softcap.
 
 Softcap: the general Triton kernels (forward, atomic and deterministic backward) take it; the
 TMA and Gluon kernels do not, and the launcher never picks them for a softcapped call
@@ -75,6 +86,23 @@ def check_softcap(softcap: float) -> None:
         raise ValueError(f"fuse_plugin::attention: softcap must be a finite number >= 0 (0 = off), got {softcap}")
 
 
+def check_replace(replace: Optional[Tensor], attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> None:
+    """The replace mask is bool, broadcastable to the scores, on q's device, next to a float bias."""
+    if replace is None:
+        return
+    if replace.dtype != torch.bool:
+        raise ValueError(f"fuse_plugin::attention: replace must be a bool tensor, got {replace.dtype}")
+    if attn_bias is None or not attn_bias.dtype.is_floating_point:
+        raise ValueError("fuse_plugin::attention: replace needs a floating-point attn_bias (the value a replaced "
+                         f"score takes), got {None if attn_bias is None else attn_bias.dtype}")
+    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if replace.dim() > 4 or any(not (r == 1 or r == t) for r, t in zip(reversed(replace.shape), reversed(scores))):
+        raise ValueError(f"fuse_plugin::attention: replace of shape {tuple(replace.shape)} does not broadcast to "
+                         f"the scores {scores}")
+    if replace.device != q.device:
+        raise ValueError(f"fuse_plugin::attention: replace is on {replace.device}, q on {q.device}")
+
+
 def new_dropout_seed(device: torch.device) -> Tensor:
     """A fresh dropout seed drawn from torch's generator of `device` (so torch.manual_seed fixes
     the dropout mask)."""
@@ -82,7 +110,8 @@ def new_dropout_seed(device: torch.device) -> Tensor:
 
 
 def bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
-    """The bias as a (B, Hq, Lq, Lk) view: broadcast dims get stride 0, nothing is copied."""
+    """The bias (or the replace mask) as a (B, Hq, Lq, Lk) view: broadcast dims get stride 0,
+    nothing is copied."""
     if attn_bias is None:
         return None
     return attn_bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -97,29 +126,40 @@ def bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tenso
 _LIB = torch.library.Library("fuse_plugin", "FRAGMENT")
 _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, float dropout_p, bool is_causal, "
-    "float scale, Tensor? dropout_seed=None, float softcap=0.0) -> (Tensor, Tensor)",
+    "float scale, Tensor? dropout_seed=None, float softcap=0.0, Tensor? replace=None) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define(
     "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor out, "
     "Tensor lse, float dropout_p, bool is_causal, float scale, Tensor? dropout_seed, "
-    "bool need_dbias, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor)",
+    "bool need_dbias, float softcap=0.0, Tensor? replace=None) -> (Tensor, Tensor, Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], dropout_p: float,
               is_causal: bool, scale: float, dropout_seed: Optional[Tensor] = None,
-              softcap: float = 0.0) -> tuple[Tensor, Tensor]:
+              softcap: float = 0.0, replace: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
-    return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, softcap)
+    check_replace(replace, attn_bias, q, k)
+    return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, softcap, replace)
+
+
+def _extra(softcap: float, replace: Optional[Tensor], q: Tensor, k: Tensor) -> dict:
+    """softcap and replace for the kernels / the reference, only when on: calls without them stay
+    as they were."""
+    extra = {"softcap": softcap} if softcap else {}
+    if replace is not None:
+        extra["replace"] = bias_4d(replace, q, k)
+    return extra
 
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], is_causal: bool, scale: float,
-                 dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None, softcap: float = 0.0):
+                 dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None, softcap: float = 0.0,
+                 replace: Optional[Tensor] = None):
     """The op's computation (also the second half of `rope_attention`'s unfused path)."""
     bias = bias_4d(attn_bias, q, k)
-    extra = {"softcap": softcap} if softcap else {}  # calls without one stay as they were
+    extra = _extra(softcap, replace, q, k)
     if _runs_kernel(q, v):
         return _kernels().attention_forward(
             q, k, v, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -135,28 +175,30 @@ def empty_out(q: Tensor, v: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("fuse_plugin::attention", lib=_LIB)
-def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0):
+def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0, replace=None):
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
+    check_replace(replace, attn_bias, q, k)
     b, hq, lq, _ = q.shape
     return empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
 
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor],
                        out: Tensor, lse: Tensor, dropout_p: float, is_causal: bool, scale: float,
-                       dropout_seed: Optional[Tensor], need_dbias: bool, softcap: float = 0.0
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       dropout_seed: Optional[Tensor], need_dbias: bool, softcap: float = 0.0,
+                       replace: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
+    check_replace(replace, attn_bias, q, k)
     return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed,
-                         softcap)
+                         softcap, replace)
 
 
 def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p=0.0, dropout_seed=None,
-                  softcap=0.0):
+                  softcap=0.0, replace=None):
     bias = bias_4d(attn_bias, q, k)
-    extra = {"softcap": softcap} if softcap else {}
+    extra = _extra(softcap, replace, q, k)
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
@@ -177,8 +219,10 @@ def reduce_dbias(ds: Optional[Tensor], attn_bias: Optional[Tensor], q: Tensor, n
 
 
 @torch.library.register_fake("fuse_plugin::attention_backward", lib=_LIB)
-def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_seed, need_dbias, softcap=0.0):
+def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_seed, need_dbias, softcap=0.0,
+      replace=None):
     check_softcap(softcap)
+    check_replace(replace, attn_bias, q, k)
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
         k, memory_format=torch.contiguous_format
@@ -186,35 +230,40 @@ def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_s
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap = inputs
+    q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, attn_bias, out, lse, dropout_seed)
+    ctx.save_for_backward(q, k, v, attn_bias, out, lse, dropout_seed, replace)
     ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.softcap = dropout_p, is_causal, scale, softcap
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, attn_bias, out, lse, dropout_seed = ctx.saved_tensors
+    q, k, v, attn_bias, out, lse, dropout_seed, replace = ctx.saved_tensors
     if dout is None:
-        return None, None, None, None, None, None, None, None, None
+        return (None,) * 10
     need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
-    # softcap is passed only when on, so that graphs without one keep the op's old call
-    extra = (ctx.softcap,) if ctx.softcap else ()
     dq, dk, dv, dbias = torch.ops.fuse_plugin.attention_backward.default(
         dout, q, k, v, attn_bias, out, lse, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed, need_dbias,
-        *extra)
-    return dq, dk, dv, (dbias if need_dbias else None), None, None, None, None, None
+        *_trailing(ctx.softcap, replace))
+    return (dq, dk, dv, (dbias if need_dbias else None)) + (None,) * 6
+
+
+def _trailing(softcap: float, replace: Optional[Tensor]) -> tuple:
+    """The trailing (softcap, replace) arguments of a call, only as far as one is on, so that
+    graphs without them keep the op's old call."""
+    if replace is not None:
+        return (softcap, replace)
+    return (softcap,) if softcap else ()
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap):
-        extra = (softcap,) if softcap else ()
+    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace):
         with torch._C._AutoDispatchBelowAutograd():
             out, lse = torch.ops.fuse_plugin.attention.default(
-                q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, *extra)
-        _setup_context(ctx, (q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap),
+                q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, *_trailing(softcap, replace))
+        _setup_context(ctx, (q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace),
                        (out, lse))
         return out, lse
 
@@ -223,15 +272,15 @@ class _AttentionFunction(torch.autograd.Function):
         return _backward(ctx, dout, dlse)
 
 
-def _attention_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0):
+def _attention_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0,
+                        replace=None):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             attn_bias is not None and attn_bias.requires_grad)):
         return _AttentionFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale,
-                                        dropout_seed, softcap)
-    extra = (softcap,) if softcap else ()
+                                        dropout_seed, softcap, replace)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.fuse_plugin.attention.default(q, k, v, attn_bias, dropout_p, is_causal,
-                                                       scale, dropout_seed, *extra)
+                                                       scale, dropout_seed, *_trailing(softcap, replace))
 
 
 def _attention_backward_autograd(*args):

@@ -48,10 +48,12 @@ def softcapped(s: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
 
 
 def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
-                    softcap: float = 0.0, with_tanh: bool = False):
+                    softcap: float = 0.0, with_tanh: bool = False, replace: Tensor | None = None):
     """Softmax weights P (B, Hkv, G, Lq, Lk) in the compute dtype and lse (B, Hq, Lq); with
     `with_tanh` also tanh(s/c) (B, Hq, Lq, Lk) of the softcap (None without one). The softcap
-    acts on the scaled scores, before the bias and the masks: c·tanh(q·kᵀ·scale / c) + bias."""
+    acts on the scaled scores, before the bias and the masks: c·tanh(q·kᵀ·scale / c) + bias.
+    `replace` (bool, broadcastable to (B, Hq, Lq, Lk), with a float bias): where True the score is
+    the bias alone, where(replace, bias, s + bias)."""
     ct = compute_dtype(q, k, bias)
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -59,6 +61,8 @@ def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, 
     s = _grouped(q.to(ct), g) @ k.to(ct).unsqueeze(2).transpose(-1, -2) * scale
     s = s.reshape(b, hq, lq, lk)
     s, t = softcapped(s, softcap)
+    if replace is not None:
+        s = s.masked_fill(replace, 0.0)
     if bias is not None:
         if bias.dtype == torch.bool:
             s = s.masked_fill(~bias, float("-inf"))
@@ -133,8 +137,8 @@ def _dropped(x: Tensor, dropout_p: float, seed: Tensor | None, shape: tuple) -> 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
                       dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
-                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
-    p, lse = attention_probs(q, k, bias, is_causal, scale, softcap)
+                      softcap: float = 0.0, replace: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    p, lse = attention_probs(q, k, bias, is_causal, scale, softcap, replace=replace)
     p = _dropped(p, dropout_p, dropout_seed, tuple(lse.shape) + (k.shape[2],))
     out = p @ v.to(p.dtype).unsqueeze(2)
     b, hq, lq = lse.shape
@@ -145,10 +149,13 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_c
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float, need_dbias: bool,
     dropout_p: float = 0.0, dropout_seed: Tensor | None = None, softcap: float = 0.0,
+    replace: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """dq, dk, dv (input dtypes) and dS (B, Hq, Lq, Lk) in the compute dtype when need_dbias
-    (the gradient of the bias, i.e. of the softcapped scores)."""
-    p, lse, t = attention_probs(q, k, bias, is_causal, scale, softcap, with_tanh=True)  # (B, Hkv, G, Lq, Lk)
+    (the gradient of the bias, i.e. of the final scores, also where `replace` holds; dq/dk get
+    none from the replaced scores)."""
+    p, lse, t = attention_probs(q, k, bias, is_causal, scale, softcap, with_tanh=True,
+                                replace=replace)  # (B, Hkv, G, Lq, Lk)
     ct = p.dtype
     g = q.shape[1] // k.shape[1]
     # A row whose every score is -inf (lse = -inf) has NaN weights in the forward, as eager. In the
@@ -164,6 +171,8 @@ def attention_backward(
     dp = _dropped(do @ vv.transpose(-1, -2), dropout_p, dropout_seed, shape)
     ds = p * (dp - (p * dp).sum(-1, keepdim=True))
     dbias = ds.reshape(lse.shape + (k.shape[2],)) if need_dbias else None
+    if replace is not None:  # a replaced score does not depend on q·kᵀ
+        ds = ds.masked_fill(_grouped(replace.expand(shape), g), 0.0)
     if t is not None:  # d(c·tanh(x/c))/dx = 1 - tanh²(x/c)
         ds = ds * _grouped(1 - t * t, g)
     dq = (ds @ k.to(ct).unsqueeze(2)) * scale

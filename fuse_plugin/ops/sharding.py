@@ -19,6 +19,8 @@ That is right only for some placements; these are the ones each op takes, on eve
     indices, so on shards it would repeat on every rank instead of being drawn independently.
     softcap (attention, attention_backward): a scalar applied to every score alike, so any of
     these placements takes it as it is (it is one of the cache key's non-tensor arguments).
+    replace (attention, attention_backward): a bool mask broadcast to the scores like attn_bias,
+    and placed like it (Shard on the batch / head dim it holds, else Replicate).
 
   rotary, rotary_backward, rotary_qk, rotary_qk_backward (pointwise over every leading dim)
     Replicate, or x (q and k, their gradients) Shard(d) on one leading dim d (batch, heads or
@@ -288,7 +290,7 @@ def _arg_names(op) -> list[str]:
 
 
 def _rules() -> dict[str, _Rule]:
-    attn = dict(q="main", k="main", v="main", attn_bias="bcast", dropout_seed="scalar")
+    attn = dict(q="main", k="main", v="main", attn_bias="bcast", dropout_seed="scalar", replace="bcast")
     rope = dict(attn, cos="bcast", sin="bcast")
     bwd = dict(dout="main", out="main", lse="main")
     qkv = ("q", "k", "v")

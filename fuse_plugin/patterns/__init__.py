@@ -9,7 +9,7 @@ a rotary q+k pair that feeds only an attention is folded into it (`rope_attentio
     batch_views.py     views of the scores' batch dims between q·kᵀ and the softmax; masks carried across them
     attention.py       the attention recogniser (q·kᵀ, the chain to the softmax, w·v, GQA; replace)
     rope_attention.py  rotary_qk → attention becomes one rope_attention (rotation in the kernel)
-    attention_bias.py  the scale and masks of the scores → scale, is_causal and one bias
+    attention_bias.py  the scale and masks of the scores → scale, is_causal, one bias (+ replace mask)
     causal_mask.py     abstract interpreter over mask-building nodes: proves a mask causal
     rotary.py          the rotary recogniser (spellings, partial rotary, casts, q+k pairs; replace)
     rotary_tables.py   the cos/sin tables a rotary site reads (full width → half width)

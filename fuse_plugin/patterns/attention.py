@@ -23,7 +23,8 @@ or cast that gives exactly the eager shape and dtype). The masks become one `bia
 of a full, `arange` comparisons, a registered tril buffer sliced `[:T, :T]`) becomes `is_causal`;
 -inf fills stay a bool mask; finite fills (finfo.min, -1e4, ...) and additive masks become a
 float32 additive bias that reproduces eager's fully-masked rows (uniform weights with finite
-fills, NaN with -inf). GQA k/v repeated by HF `repeat_kv` or `repeat_interleave(n, 1)` are passed
+fills, NaN with -inf), with the op's `replace` mask where a finite fill replaced the scores (so
+that those scores are the bias alone, without gradient into q·kᵀ, also next to additive terms). GQA k/v repeated by HF `repeat_kv` or `repeat_interleave(n, 1)` are passed
 un-repeated (`_unrepeat_kv`).
 
 In-place writes: the op stands just before `out` and reads its inputs there, so an input written
@@ -46,7 +47,7 @@ import torch
 from torch import fx
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
-from .attention_bias import BiasTerm, build_bias, causal_or_bias, read_masks, zero_filled_rows
+from .attention_bias import BiasTerm, build_bias, causal_or_bias, read_masks, replace_mask
 from .batch_views import batch_view, carry_mask
 from .canon import (Call, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
                     is_identity, is_in_place_form, known_equal, mutates, norm_dim, same_shape, shape, shape_only_use, size_in_range,
@@ -899,20 +900,23 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         q = _build_operand(b, site.q)
         for node, divide in site.scale_nodes:
             q = b.function(operator.truediv if divide else operator.mul, q, node)
-        q = zero_filled_rows(b, q, site.bias_parts)
         k, v = _build_operand(b, site.k), _build_operand(b, site.v)
         for _ in range(4 - site.rank):
             q, k, v = (b.method("unsqueeze", t, 0) for t in (q, k, v))
         bias_dtype = torch.float64 if dtype(site.scores) == torch.float64 else torch.float32
-        bias, bias_kind = build_bias(b, site.bias_parts, ctx.setdefault("bias_memo", {}), bias_dtype)
+        memo = ctx.setdefault("bias_memo", {})
+        bias, bias_kind = build_bias(b, site.bias_parts, memo, bias_dtype)
+        replaced = replace_mask(b, site.bias_parts, memo)
         seed = ()
         if site.dropout_p:
             # A fresh seed per call from torch's RNG: the op's forward and backward draw the same mask.
             seed = (b.factory(site.q.node, torch.randint, 0, 2**62, (), dtype=torch.int64,
                               device=device_of(site.q.node)),)
-        softcap = {"softcap": float(site.softcap)} if site.softcap else {}
+        extra = {"softcap": float(site.softcap)} if site.softcap else {}
+        if replaced is not None:  # scores a finite fill replaced are the bias alone (attention_bias.py)
+            extra["replace"] = replaced
         op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
-                        **softcap)
+                        **extra)
         out = b.function(operator.getitem, op, 0)
         if site.safe:  # _safe_softmax: 0 in the rows whose every score is -inf (the op's lse is -inf there)
             empty = b.method("unsqueeze", b.function(torch.isneginf, b.function(operator.getitem, op, 1)), -1)
@@ -947,6 +951,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         parts.append(f"is_causal ({site.causal_note})")
     if bias is not None:
         parts.append(f"bias: {bias_kind}")
+    if replaced is not None:
+        parts.append("replace mask (finite fill)")
     if site.kv_groups > 1:
         parts.append(f"GQA: k/v un-repeated ({site.kv_groups} q heads per kv head)")
     if site.dropout_p:

@@ -1,5 +1,5 @@
 """The scale and masks between q·kᵀ and the softmax, as the op takes them: a scale, is_causal,
-and one bias.
+one bias and, next to a finite fill, a replace mask.
 
 `read_masks` reads the ops of a score chain (from `attention._chain`, bottom-up: ("scale",
 factor, divide), ("add", bias, subtract), ("fill", mask, masked_when, value), and ("cast",),
@@ -11,26 +11,33 @@ factor, divide), ("add", bias, subtract), ("fill", mask, masked_when, value), an
 
 `causal_or_bias` decides whether the causal part can become `is_causal` (or refuses the chain);
 `build_bias` emits one bias for the rest: -inf fills as a bool mask, anything else as an additive
-bias that replays the chain's masks, in eager's order, on zero scores: every score a fill replaces
-gets exactly eager's value, so rows masked everywhere come out as in eager (uniform weights over
-the largest fill values, NaN when all are -inf), and `zero_filled_rows` zeroes q in the rows every
-fill together covers, so that such a row's scores are exactly the bias and get no gradient, as
-eager's filled scores get none.
+bias that replays the chain's masks, in eager's order, on zero scores, so that every score a fill
+replaces gets exactly eager's value there (the fill value, plus the terms added after it), and the
+sum of the terms elsewhere. With a finite fill, `replace_mask` gives the op its `replace` argument:
+the union of the fill masks, the scores some fill replaced. The op then computes
+
+    s = where(replace, bias, q·kᵀ·scale + bias)
+
+which is eager's chain exactly: a replaced score is the bias's value and sends no gradient into q
+or k (eager's fill cuts it), the bias gets dS everywhere, and autograd of the replayed graph ops
+(where / add / neg / mul on the terms) gives each term eager's gradient (0 where a later fill
+overwrote it, dS where it was added after the fill or where no fill holds).
 
 Fully masked rows, the cases (eager semantics, which the rewrite keeps):
   * -inf fills / bool masks / additive -inf: NaN output; eager's fill backward gives dq 0 and
     leaves dk finite, which the op's backward does too (a row whose lse is -inf adds nothing);
   * finite fills (finfo.min, -1e9, -1e4, different ones mixed, with -inf ones): softmax over the
-    fill values themselves (uniform over the largest), no gradient into q·kᵀ;
+    fill values themselves (uniform over the largest), no gradient into q·kᵀ: the replace mask;
   * additive masks only: softmax of score + mask, with gradient (the op adds the bias the same way);
-  * a finite fill together with an additive mask, in either order: refused. In a row masked
-    everywhere eager mixes filled scores (no gradient) and added ones (gradient); the op can zero a
-    row's gradient or keep it, not both. (Added before the fills, the term is overwritten where
-    they hold, but where it is itself a mask (-inf, finfo.min) the row's keys it covers fall below
-    the fill value and the filled keys win with no gradient: the differential fuzzer's seeds
-    196, 405 and 453 of stop 14 were wrong that way. Whether an additive term is a bias or a mask
-    is run-time data, so both orders are refused; DeBERTa-v2, which adds its relative-position
-    bias before the padding fill, stays unfused.)
+  * a finite fill together with additive terms, in either order: the replace mask too. Eager's
+    row then mixes filled scores (no gradient into q·kᵀ; the fill value plus the terms added
+    after the fill, which get their gradient) and scores with terms added (gradient into both);
+    the op computes each score as eager does, whatever the terms hold at run time (a learned
+    bias, or itself a mask of -inf / finfo.min). DeBERTa-v2 (its relative-position bias added
+    before the finfo.min padding fill) and GPT-2 / Inductor's sfdp_19 (where(causal, s,
+    finfo.min), then the additive padding mask) are fused this way. (Without the replace mask,
+    an additive term that is itself a mask was wrong in rows masked everywhere: the differential
+    fuzzer's seeds 196, 405 and 453 of stop 14.)
 """
 from __future__ import annotations
 
@@ -210,9 +217,10 @@ def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list], str]:
       * it fills -inf and no finite fill is among the other parts: the hidden scores stay -inf in
         eager whatever comes after (-inf + bias = -inf; a later -inf fill), whereas a later finite
         fill would overwrite them (a row whose visible keys it all fills then spreads its weights
-        over those hidden keys too) and a finite fill before it would need the rows it covers
-        together with the causal mask zeroed.
-    Otherwise the causal mask stays in the bias with its own value (still fused, not is_causal)."""
+        over those hidden keys too). (With a finite fill only before it, is_causal after the
+        replace mask would be exact too; not taken: the causal mask then stays in the bias.)
+    Otherwise the causal mask stays in the bias with its own value (still fused, not is_causal;
+    its positions are then among the replace mask's where it is a fill, `replace_mask`)."""
     causal = [p for p in m.split if isinstance(p, CausalPart)]
     rest = [p for p in m.split if not isinstance(p, CausalPart)]
     parts, is_causal, source, notes = m.raw, False, "", []
@@ -223,10 +231,6 @@ def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list], str]:
     elif causal:
         notes.append(f"causal mask ({causal[0].source}) kept in the bias with its own values: "
                      "is_causal's -inf masking would change rows masked everywhere")
-    fill = next((p for p in parts if _finite_fill(p)), None)
-    if fill is not None and any(isinstance(p, BiasTerm) for p in parts):
-        return (f"a finite masked_fill/where (value {fill.value:g}) together with an additive mask: in a row "
-                "masked everywhere eager mixes filled scores (no gradient) and added ones (with gradient)")
     return parts, is_causal, source, notes
 
 
@@ -295,20 +299,22 @@ def _negated(b: NodeBuilder, mask: fx.Node) -> fx.Node:
     return b.function(torch.logical_not, mask)
 
 
-def zero_filled_rows(b: NodeBuilder, q: fx.Node, parts: list) -> fx.Node:
-    """q with the rows zeroed whose every score some masked_fill/where replaces, when a fill is finite.
+def replace_mask(b: NodeBuilder, parts: list, memo: dict) -> Optional[fx.Node]:
+    """The op's `replace` for the mask parts left: the scores some masked_fill/where replaced (the
+    OR of the fill masks, each as "where it fills"), when a fill is finite; None otherwise.
 
-    Eager gives such a row the softmax of the fill values and no gradient into q·kᵀ (the fills
-    replace the scores). The op adds the bias (the fill values there) to q·kᵀ instead: a zero q
-    row makes its scores exactly the bias, so the same weights, and no gradient into q or k.
-    (With -inf fills only, such a row is NaN in the forward and the op's backward drops it.)
-    `causal_or_bias` refuses additive terms next to finite fills, so all the parts are fills."""
+    With -inf fills only, nothing is needed: a replaced score is -inf either way (the bias holds
+    -inf there, and s + -inf is -inf), and its weight, hence every gradient through it, is 0."""
     fills = [p for p in parts if isinstance(p, MaskFill)]
     if not any(_finite_fill(p) for p in fills):
-        return q
+        return None
+    key = ("replace",) + tuple((p.mask, p.masked_when) for p in fills)
+    if key in memo and precedes(memo[key], b.before) and not written_since([p.mask for p in fills], memo[key],
+                                                                            b.before):
+        return memo[key]
     replaced = None
     for p in fills:
         m = p.mask if p.masked_when else _negated(b, p.mask)
         replaced = m if replaced is None else b.function(torch.logical_or, replaced, m)
-    full_rows = b.method("all", replaced, -1, True)
-    return b.function(torch.where, full_rows, 0.0, q)
+    memo[key] = replaced
+    return replaced

@@ -238,9 +238,9 @@ FAMILIES = [
     Family("falcon_rope_mqa", _falcon_rope_mqa, attention=2, rotary=4, rope_attention=2),
     Family("falcon_alibi", _falcon_alibi, attention=2, rotary=0, rope_attention=0),
     Family("bloom", _bloom, attention=2, rotary=0, rope_attention=0),
-    # DeBERTa-v2 adds its disentangled bias before a finite padding fill: refused (a run-time additive
-    # term may itself be a mask, and then a row masked everywhere differs: patterns/attention_bias.py)
-    Family("deberta_v2", _deberta_v2, attention=0, rotary=0, rope_attention=0, kind="encoder"),
+    # DeBERTa-v2 adds its disentangled bias before a finite padding fill: the op's replace mask
+    # (the filled scores are the bias alone, no gradient into q·kᵀ: patterns/attention_bias.py)
+    Family("deberta_v2", _deberta_v2, attention=2, rotary=0, rope_attention=0, kind="encoder"),
     # 2 text + 2 vision layers + the pooling head's nn.MultiheadAttention (weights returned, unused)
     Family("siglip", _siglip, attention=5, rotary=0, rope_attention=0, kind="text-image", logits=_siglip_embeds),
     Family("esm", _esm, attention=2, rotary=4, rope_attention=2, kind="encoder"),
