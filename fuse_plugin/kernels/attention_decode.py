@@ -101,13 +101,15 @@ class DecodeConfig(NamedTuple):
 def decode_config(rows: int, D: int, Dv: int, dtype: torch.dtype) -> DecodeConfig:
     """Tiles for ``rows`` = (Hq // Hkv) * Lq query rows per GQA group: all of them in one tile up
     to 64 (32 at head dims above 128, fp32 included), 64 keys per step (32 with fp32 or head
-    dims above 128: the K/V tiles and the fp32 accumulator stay in registers). Not tuned on a
-    GPU yet."""
+    dims above 128: the K/V tiles and the fp32 accumulator stay in registers). No spills in
+    local sm_90 compiles (Triton 3.9, ptxas); not timed on a GPU yet."""
     d = max(next_pow2(D), next_pow2(Dv), 16)
     wide = d > 128 or dtype == torch.float32
     block_m = max(16, min(next_pow2(rows), 32 if wide else 64))
     block_n = 32 if wide else 64
-    return DecodeConfig(block_m, block_n, 4, 2 if wide else 3)
+    # fp32 at D 128: ieee dots keep their operands in registers (4 warps spilled, sm_90 compile)
+    warps = 8 if dtype == torch.float32 and d >= 128 else 4
+    return DecodeConfig(block_m, block_n, warps, 2 if wide else 3)
 
 
 def num_splits(programs: int, key_blocks: int, sms: Optional[int]) -> int:
@@ -163,11 +165,14 @@ def _mask_tile(bias_rows, qi, row_ok, start_n, hi, stride_bn, IS_CAUSAL: tl.cons
     """The keys [start_n, start_n + BLOCK_N) for every row: (visible, bias). ``visible``: in
     range (< hi), causally visible and not bool-masked; ``bias``: the fp32 float bias (-inf where
     not visible; 0 without a float bias)."""
-    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = start_n + offs_n
     visible = row_ok[:, None] & (cols < hi)[None, :]
     if IS_CAUSAL:
         visible = visible & (cols[None, :] <= qi[:, None])
-    ptrs = bias_rows[:, None] + cols.to(tl.int64)[None, :] * stride_bn
+    # int64 block origin, int32 in-tile offsets (as attention_tiles._tile_ptrs_mask)
+    ptrs = bias_rows[:, None] + tl.cast(start_n, tl.int64) * stride_bn \
+        + (offs_n * stride_bn)[None, :]
     if BIAS_KIND == 1:
         visible = visible & (tl.load(ptrs, mask=visible, other=0) != 0)
     if BIAS_KIND == 2:
@@ -228,12 +233,13 @@ def _decode_keys(q, m_i, l_i, acc, k_base, v_base, bias_rows, qi, row_ok, lo, en
     dv = tl.arange(0, BLOCK_DV)
     NATURAL: tl.constexpr = BIAS_KIND == 2
     for start_n in range(lo, end, BLOCK_N):
-        cols = start_n + offs_n
-        in_range = cols < hi
-        rows64 = cols.to(tl.int64)[:, None]
-        k = tl.load(k_base + rows64 * stride_kn + d[None, :] * stride_kd,
+        in_range = (start_n + offs_n) < hi
+        origin = tl.cast(start_n, tl.int64)  # int64 block origin, int32 in-tile offsets
+        k = tl.load(k_base + origin * stride_kn + (offs_n[:, None] * stride_kn
+                                                   + d[None, :] * stride_kd),
                     mask=in_range[:, None] & (d[None, :] < D), other=0.0)
-        v = tl.load(v_base + rows64 * stride_vn + dv[None, :] * stride_vd,
+        v = tl.load(v_base + origin * stride_vn + (offs_n[:, None] * stride_vn
+                                                   + dv[None, :] * stride_vd),
                     mask=in_range[:, None] & (dv[None, :] < Dv), other=0.0)
         visible, bias = _mask_tile(bias_rows, qi, row_ok, start_n, hi, stride_bn, IS_CAUSAL,
                                    BIAS_KIND, BLOCK_N)
@@ -395,6 +401,11 @@ def _bias_args(bias, dummy):
     return _FLOAT_BIAS, bias, bias.stride()
 
 
+def _upcast_dot(t: torch.Tensor) -> bool:
+    # The interpreter's tl.dot mishandles bf16 (attention_tiles._dot); CPU tensors run there.
+    return t.dtype == torch.bfloat16 and not t.is_cuda
+
+
 def _dot_precision(t: torch.Tensor) -> str:
     if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
         return "tf32"
@@ -446,7 +457,7 @@ def attention_decode_forward(q, k, v, bias, *, is_causal: bool, scale: float,
                                            device=dev) for _ in range(3))
     consts = dict(D=D, Dv=Dv, IS_CAUSAL=bool(is_causal), BIAS_KIND=kind,
                   PRECISION=_dot_precision(q),
-                  UPCAST_DOT=q.dtype == torch.bfloat16 and not q.is_cuda,
+                  UPCAST_DOT=_upcast_dot(q),
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)),
                   BLOCK_DV=max(16, next_pow2(Dv)))
     strides = (*q.stride(), *k.stride(), *v.stride(), *sb)
