@@ -6,7 +6,7 @@ Hopper passes and ptxas), with the exact arguments our launchers pass.
 Triton's interpreter (what CI runs) resolves names through Python and never lowers anything, so a
 kernel can pass every CPU test and still fail to compile (a name a moved helper no longer sees,
 a layout conversion the Hopper backend rejects, shared memory over the limit). This records the
-launches of representative calls (forward/backward, TMA forward, dropout, deterministic, rope, bias) with the
+launches of representative calls (forward/backward, TMA forward, decode, dropout, deterministic, rope, bias) with the
 kernels replaced by recorders, then compiles each distinct kernel specialisation for
 GPUTarget("cuda", 90). Uses Triton internals (ASTSource, GPUTarget) on purpose: a developer check
 before spending device time, not a test. A backward with dropout takes ~80 s to compile.
@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 import common  # noqa: E402,F401  (puts the source tree on sys.path)
 import fuse_plugin.kernels.attention as A  # noqa: E402
+import fuse_plugin.kernels.attention_decode as DEC  # noqa: E402
 
 KERNELS = ["attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_tma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",
            "attention_dq_cast_kernel", "attention_dq_rope_cast_kernel", "attention_bwd_dkdv_kernel",
@@ -50,6 +51,9 @@ def record(quick: bool):
     launches = []
     for name in KERNELS:
         setattr(A, name, Recorder(getattr(A, name), launches))
+    for name in ("attention_decode_split_kernel", "attention_decode_combine_kernel"):
+        setattr(DEC, name, Recorder(getattr(DEC, name), launches))
+    DEC._upcast_dot = lambda t: False
     A._smem_limit = lambda device: None  # no device to ask
     # The tensors here are CPU tensors; compile what a CUDA launch would: no interpreter upcast
     # of bf16 dots (fp16/bf16 dots ignore the precision argument).
@@ -59,6 +63,11 @@ def record(quick: bool):
     k, v = torch.randn(1, 2, 128, 128, dtype=dt), torch.randn(1, 2, 128, 128, dtype=dt)
     bias = torch.randn(1, 1, 128, 128, dtype=dt).expand(1, 4, 128, 128)
     out, lse = A.attention_forward(q, k, v, None, is_causal=True, scale=0.1)
+    # the decode kernels (attention_decode.py): one query against a static cache, HF's float mask
+    kc, vc = torch.randn(2, 2, 768, 128, dtype=dt), torch.randn(2, 2, 768, 128, dtype=dt)
+    mask = torch.zeros(2, 1, 1, 768, dtype=dt).expand(2, 4, 1, 768)
+    A.attention_forward(torch.randn(2, 4, 1, 128, dtype=dt), kc, vc, mask, is_causal=False,
+                        scale=0.1)
     for causal, tile in ((True, (128, 64, 4, 2)), (False, (64, 128, 4, 2))):  # the TMA forward
         A.attention_forward(q, k, v, None, is_causal=causal, scale=0.1,
                             config=A.AttentionConfig(*tile, False, "tma"))

@@ -158,6 +158,24 @@ def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias
     return trace(fn, q, k, v, dout, *extra)
 
 
+def decode_case(B=2, Hq=16, Hkv=4, Lq=1, Lk=1024, D=64, mask="float"):
+    """A KV-cache decode step (Lq 1 against a static buffer, HF's 4-D float mask): the decode
+    kernels (attention_decode.py) in the forward, the general backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    q, dout = fake(mode, B, Hq, Lq, D), fake(mode, B, Hq, Lq, D)
+    k, v = fake(mode, B, Hkv, Lk, D), fake(mode, B, Hkv, Lk, D)
+    with mode:
+        bias = torch.zeros(B, 1, Lq, Lk, dtype=torch.bfloat16, device="cuda") if mask == "float" \
+            else torch.ones(B, 1, Lq, Lk, dtype=torch.bool, device="cuda")
+
+    def fn(q, k, v, dout, bias):
+        return attention_pair(q, k, v, dout, bias, is_causal=False)
+
+    return trace(fn, q, k, v, dout, bias)
+
+
 def rope_attention_case():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -213,6 +231,9 @@ CASES = {
     "d80": lambda: attention_case(1, 4, 4, 200, 80),
     "fp32": lambda: attention_case(1, 2, 2, 100, 64, dtype=torch.float32),
     "rope_attention": rope_attention_case,
+    # flash-decoding forward (Lq 1, 1024 keys), float and bool masks
+    "decode": decode_case,
+    "decode_bool": lambda: decode_case(B=1, Hq=12, Hkv=4, Lq=4, Lk=300, D=128, mask="bool"),
     # never decomposed: CPU tensors (the reference; CI's interpreter path)
     "cpu": lambda: attention_case(1, 2, 2, 40, 64, dtype=torch.float32, device="cpu"),
 }

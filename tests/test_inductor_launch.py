@@ -51,6 +51,7 @@ def assert_fully_traced(case: dict) -> None:
 FWD = "attention_fwd_kernel"
 PRE = "attention_bwd_preprocess_kernel"
 ATOMIC = "attention_bwd_kernel"
+DECODE_SPLIT, DECODE_COMBINE = "attention_decode_split_kernel", "attention_decode_combine_kernel"
 # The atomic backward's dQ scale-and-cast is torch math when traced (Inductor fuses it into dq's
 # consumer): no attention_dq_cast_kernel launch in compiled graphs.
 
@@ -70,6 +71,9 @@ ATOMIC = "attention_bwd_kernel"
     ("fp32", [FWD, PRE, ATOMIC]),
     ("deterministic", [FWD, PRE, "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"]),
     ("rope_attention", [FWD, PRE, ATOMIC, "attention_dq_rope_cast_kernel"]),
+    # decode steps: the flash-decoding forward (split + combine), the general backward
+    ("decode", [DECODE_SPLIT, DECODE_COMBINE, PRE, ATOMIC]),
+    ("decode_bool", [DECODE_SPLIT, DECODE_COMBINE, PRE, ATOMIC]),
 ])
 def test_ops_become_kernel_launches(traced, name, expected):
     case = traced[name]
