@@ -204,6 +204,7 @@ def test_forward_family_choice():
     for flags in [(True, False, False, False), (False, True, False, False),
                   (False, False, True, False), (False, False, False, True)]:
         assert fam(1, 4352, *flags) == "general", flags  # config, rope, dropout, softcap
+    assert fam(1, 4352, False, False, False, False, True) == "general"  # a replace mask
 
 
 def test_num_splits():
@@ -253,6 +254,25 @@ def test_op_dispatches_decode_and_backward_matches(spy):
     for name, a, r in zip("qkv", leaves, ref_leaves):
         err = rel_err(a.grad, r.grad)
         assert err <= 1e-5, f"d{name}: rel err {err:.3g}"
+
+
+def test_replace_mask_takes_the_general_kernel(spy):
+    """A decode-shaped call with a replace mask (which the decode kernels do not take) runs the
+    general kernel and gives the replaced scores the bias alone, as the reference does."""
+    q, k, v, mask = _hf_step()
+    replace = torch.zeros(mask.shape, dtype=torch.bool, device=DEVICE)
+    replace[..., 200:] = True  # those keys' scores are the bias (finfo.min there) alone
+    bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    rep = replace.expand(bias.shape)
+    with kernels():
+        out, lse = OPS.attention(q, k, v, bias, 0.0, False, 0.125, None, 0.0, rep)
+    assert not spy, "the decode kernels ran with a replace mask"
+    s_bias = torch.where(rep, bias.double(), bias.double())  # reference: scores zeroed where replaced
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = torch.where(rep, 0.0, qd @ kd.transpose(-1, -2) * 0.125) + s_bias
+    ref = torch.softmax(s, -1) @ vd
+    check(out, lse, ref, torch.logsumexp(s, -1), torch.float32)
 
 
 def test_compiled_decode_step_matches(spy):

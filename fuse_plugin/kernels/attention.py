@@ -91,8 +91,8 @@ Speed
   (``"tma_pair"``, attention_bwd_tma.py: tiles by TMA, each kernel its own tiles, query blocks
   streamed in order so that L2 serves them) is what the H100 table picks for the plain D 256
   backward (1.1-1.2x FA2 at N = 4k; RESULTS.md, stop 11).
-* Decode (``_forward_family``: Lq <= 16 against Lk >= 256, no rope / dropout / softcap / user
-  config): the flash-decoding kernels of attention_decode.py (keys split across programs, one
+* Decode (``_forward_family``: Lq <= 16 against Lk >= 256, no rope / dropout / softcap /
+  replace mask / user config): the flash-decoding kernels of attention_decode.py (keys split across programs, one
   GQA group's rows per tile, key blocks the mask removes never read), same outputs and
   numerics; the backward is the general one either way.
 * Launch parameters come from a per-GPU table shipped with the package (``tuning.py``,
@@ -891,13 +891,13 @@ DECODE_MIN_LK = 256
 
 
 def _forward_family(Lq: int, Lk: int, user_config: bool, rope: bool, dropout: bool,
-                    softcap: bool) -> str:
+                    softcap: bool, replace: bool = False) -> str:
     """Which forward kernel family a call runs: "decode" (attention_decode.py: flash-decoding,
     the keys split across programs, a whole GQA group's rows in one tile, masked key blocks not
     read) for a few query rows against many keys, the KV-cache decode step; "general" (the
-    table's kernels) otherwise, and always with a user-given config, rope, dropout or softcap,
-    which the decode kernels do not take."""
-    if user_config or rope or dropout or softcap:
+    table's kernels) otherwise, and always with a user-given config, rope, dropout, softcap or a
+    replace mask, which the decode kernels do not take."""
+    if user_config or rope or dropout or softcap or replace:
         return "general"
     return "decode" if Lq <= DECODE_MAX_LQ and Lk >= DECODE_MIN_LK else "general"
 
@@ -928,7 +928,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     if B * Hq == 0:
         return out, lse
     if _forward_family(Lq, Lk, config is not None, rope is not None, dropout_p != 0.0,
-                       softcap != 0.0) == "decode":
+                       softcap != 0.0, replace is not None) == "decode":
         _bias_args(bias, q)  # the same errors as the general path
         return attention_decode_forward(q, k, v, bias, is_causal=is_causal, scale=scale,
                                         out_buf=out_buf, lse=lse)
