@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import DEVICE, rel_err
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 import fuse_plugin  # noqa: F401  (registers the ops and the backend)
 from fuse_plugin.kernels import attention as attn
@@ -288,9 +289,12 @@ def test_compiled_decode_step_matches(spy):
 
     torch._dynamo.reset()
     counters.clear()
-    with kernels():
-        out = torch.compile(step, backend="fuse_plugin")(q, k, v, mask)
+    # caches off: a cached graph would not trace the launcher again (the spy sees that trace)
+    with kernels(), torch._inductor.config.patch(force_disable_caches=True):
+        out, code = run_and_get_code(torch.compile(step, backend="fuse_plugin"), q, k, v, mask)
     assert counters["fuse_plugin"]["attention"] == 1, "the attention was not fused"
     assert len(spy) == 1, "the decode kernels did not run"
+    if DEVICE == "cuda":  # compiled on the GPU, Inductor launches them itself
+        assert "attention_decode_split_kernel" in "\n".join(code)
     ref_out, _ = reference(q, k, v, mask, False, 0.125)
     assert rel_err(out, ref_out) <= 1e-5

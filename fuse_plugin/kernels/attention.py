@@ -38,7 +38,7 @@ Shapes and layouts
   bias only): where it holds, the score is the bias alone, ``where(replace, bias, s + bias)``
   (s after the softcap), and dS reaches dq/dk only where it does not (dbias is dS everywhere).
   The general kernels (forward, both backward paths, the preprocess's exact recomputation) read
-  it as a uint8 view under the ``HAS_REPLACE`` constexpr (off: the same kernels as without it);
+  it bytewise (``host.bool_operand``) under the ``HAS_REPLACE`` constexpr (off: the same kernels as without it);
   the TMA and Gluon kernels have none (``_softcap_config`` keeps them out, as for a softcap).
 
 Numerics
@@ -149,13 +149,17 @@ from .attention_bwd_tma import (
 from .attention_decode import attention_decode_forward
 from .attention_fwd import attention_fwd_kernel
 from .attention_fwd_tma import attention_fwd_tma_kernel
+from . import host
+from .host import BOOL_BIAS as _BOOL_BIAS
+from .host import FLOAT_BIAS as _FLOAT_BIAS
+from .host import NO_BIAS as _NO_BIAS
+from .host import bias_args as _bias_args
 from .host import cdiv as _cdiv
 from .host import dropout_scale, dropout_threshold
 from .host import next_pow2 as _next_pow2
 
 __all__ = ["AttentionConfig", "Rope", "attention_forward", "attention_backward"]
 # Values of the BIAS_KIND constexpr.
-_NO_BIAS, _BOOL_BIAS, _FLOAT_BIAS = 0, 1, 2
 _MASK_NAMES = {_NO_BIAS: "none", _BOOL_BIAS: "bool", _FLOAT_BIAS: "float"}
 
 
@@ -527,17 +531,6 @@ def _check_tile_offsets(tiles) -> None:
                 f"{name}: strides ({stride_r}, {stride_c}) overflow int32 tile offsets")
 
 
-def _bias_args(bias, dummy):
-    """(kind, tensor, strides); a bool bias is read through a same-strided uint8 view."""
-    if bias is None:
-        return _NO_BIAS, dummy, (0, 0, 0, 0)
-    if bias.dtype == torch.bool:
-        return _BOOL_BIAS, bias.view(torch.uint8), bias.stride()
-    if not bias.dtype.is_floating_point:
-        raise ValueError(f"bias must be bool or floating point, got {bias.dtype}")
-    return _FLOAT_BIAS, bias, bias.stride()
-
-
 def _score_scale(kind: int, scale: float) -> float:
     # Natural units with a float bias (see module docstring), log2 units otherwise.
     return scale if kind == _FLOAT_BIAS else scale * 1.4426950408889634
@@ -589,7 +582,7 @@ def _replace_args(replace: Optional[torch.Tensor], kind: int, q: torch.Tensor, b
         raise ValueError(f"replace must be broadcast to {tuple(bias_shape)}, got {tuple(replace.shape)}")
     if replace.device != q.device:
         raise ValueError(f"replace is on {replace.device}, q on {q.device}")
-    return replace.view(torch.uint8), replace.stride(), True
+    return host.bool_operand(replace), replace.stride(), True
 
 
 def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor):

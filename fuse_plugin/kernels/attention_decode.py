@@ -69,6 +69,8 @@ import triton
 import triton.language as tl
 
 from .attention_tiles import _LN2, _dot, _dot_acc, _exp
+from .host import FLOAT_BIAS as _FLOAT_BIAS
+from .host import bias_args as _bias_args
 from .host import cdiv, next_pow2
 from .launch import launch
 
@@ -387,19 +389,6 @@ def attention_decode_combine_kernel(
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
-
-_NO_BIAS, _BOOL_BIAS, _FLOAT_BIAS = 0, 1, 2  # BIAS_KIND, as in kernels/attention.py
-
-
-def _bias_args(bias, dummy):
-    if bias is None:
-        return _NO_BIAS, dummy, (0, 0, 0, 0)
-    if bias.dtype == torch.bool:
-        return _BOOL_BIAS, bias.view(torch.uint8), bias.stride()
-    if not bias.dtype.is_floating_point:
-        raise ValueError(f"bias must be bool or floating point, got {bias.dtype}")
-    return _FLOAT_BIAS, bias, bias.stride()
-
 
 def _upcast_dot(t: torch.Tensor) -> bool:
     # The interpreter's tl.dot mishandles bf16 (attention_tiles._dot); CPU tensors run there.
