@@ -35,18 +35,16 @@ eager bf16 and in fp32:
 """
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
 
 import torch  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fuse_plugin  # noqa: E402,F401
 from fuse_plugin.ops import reference  # noqa: E402
-from gpu_checkpoint_check import PerGraph, as_accurate, rel  # noqa: E402  (the same measures)
+from gpu_checkpoint_check import as_accurate, rel, report, train_parity  # noqa: E402  (the same measures)
 
 DEVICE = "cuda"
 LAYERS, HIDDEN, HEADS, BATCH, SEQ, PAD = 2, 256, 4, 2, 512, 64
@@ -166,51 +164,13 @@ def deberta_inputs():
     return {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE), "labels": labels.to(DEVICE)}
 
 
-def global_rel(a, b):
-    pairs = [(x, y) for x, y in zip(a, b) if y is not None and x is not None]
-    num = sum((x.double() - y.double()).norm().item() ** 2 for x, y in pairs)
-    den = sum(y.double().norm().item() ** 2 for _, y in pairs)
-    return (num / max(den, 1e-60)) ** 0.5
-
-
 def check_deberta(rows: list) -> None:
-    ref32 = make_deberta()
-    eager = copy.deepcopy(ref32).to(torch.bfloat16)
-    model = copy.deepcopy(eager)
-    kwargs = deberta_inputs()
-    torch._dynamo.reset()
-    counters.clear()
-    counting = PerGraph()
-    compiled = torch.compile(model, backend=counting)
-    runs = {}
-    for name, m, fn in (("fp32", ref32, ref32), ("eager", eager, eager), ("compiled", model, compiled)):
-        m.train()
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-        losses = []
-        for i in range(3):
-            opt.zero_grad(set_to_none=True)
-            out = fn(**kwargs)
-            out.loss.backward()
-            if i == 0:
-                runs[name, "logits"] = out.logits.detach().float()
-                runs[name, "grads"] = [p.grad.detach().clone() if p.grad is not None else None
-                                       for p in m.parameters()]
-            losses.append(out.loss.item())
-            opt.step()
-        runs[name, "losses"] = losses
+    parity: list = []
+    counting = train_parity("deberta", make_deberta(), deberta_inputs(), parity)
     fused = sum(g["attention"] for g in counting.graphs)
     rows.append(("deberta sites", fused == LAYERS, f"{fused} attention fused over the graphs {counting.graphs}, "
                                                    f"expected {LAYERS}"))
-    e_l, g_l = rel(runs["eager", "logits"], runs["fp32", "logits"]), rel(runs["compiled", "logits"], runs["fp32", "logits"])
-    rows.append(("deberta logits", as_accurate(g_l, e_l), f"compiled {g_l:.2e} vs eager bf16 {e_l:.2e} (to fp32)"))
-    e_g = global_rel(runs["eager", "grads"], runs["fp32", "grads"])
-    g_g = global_rel(runs["compiled", "grads"], runs["fp32", "grads"])
-    rows.append(("deberta grads", as_accurate(g_g, e_g), f"compiled {g_g:.2e} vs eager bf16 {e_g:.2e} (to fp32)"))
-    le, lc, lf = runs["eager", "losses"], runs["compiled", "losses"], runs["fp32", "losses"]
-    worst = max(abs(a - b) / abs(b) for a, b in zip(lc, le))
-    rows.append(("deberta losses (3 steps)", worst <= 1e-2,
-                 f"compiled {[round(x, 4) for x in lc]}, eager bf16 {[round(x, 4) for x in le]}, "
-                 f"fp32 {[round(x, 4) for x in lf]}"))
+    rows += parity
 
 
 def main() -> int:
@@ -228,12 +188,7 @@ def main() -> int:
     t1 = time.time()
     check_deberta(rows)
     print(f"(kernels {t1 - t0:.0f} s, deberta {time.time() - t1:.0f} s)")
-    width = max(len(r[0]) for r in rows)
-    for name, ok, detail in rows:
-        print(f"{'PASS' if ok else 'FAIL'}  {name.ljust(width)}  {detail}")
-    ok = all(r[1] for r in rows)
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    return report(rows)
 
 
 if __name__ == "__main__":
