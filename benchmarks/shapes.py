@@ -1,7 +1,12 @@
 """Whole models at the shapes real workloads run: the plugin against stock compile and sdpa + compile.
 
     python benchmarks/shapes.py [--layers 12] [--rows ROW,...] [--modes default,reduce-overhead]
-                                [--variants compile,sdpa+compile,plugin] [--out FILE.md]
+                                [--variants compile,sdpa+compile,plugin] [--steps 10] [--rounds 5]
+                                [--out FILE.md]
+
+With ``--rounds 0`` it only compiles and warms up every cell: a few such processes run in
+parallel over disjoint ``--rows`` fill Inductor's and Triton's caches, so that the timed run
+after them compiles from the caches (stop 15's table: RESULTS.md).
 
 Rows (bf16; throughput = tokens/s, images/s for the ViT):
   llama train 8x512, 4x2048, 1x8192 and infer 1x128, 8x512, 4x2048, 1x8192: transformers
