@@ -146,6 +146,18 @@ def report(rows: list) -> int:
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
+
+def header(cpu_smoke: bool) -> bool:
+    """Prints the versions line; False (after a FAIL line) on a machine without CUDA, unless the
+    run is the script's --cpu smoke test."""
+    if not cpu_smoke and not torch.cuda.is_available():
+        print("FAIL: needs a CUDA GPU (or --cpu for a smoke test of the script)")
+        return False
+    where = "cpu" if cpu_smoke else torch.cuda.get_device_name()
+    print(f"torch {torch.__version__}, {where}, fuse_plugin from {fuse_plugin.__file__}")
+    return True
+
+
 def step(model, kwargs, compiled=None):
     out = (model if compiled is None else compiled)(**kwargs).logits
     out.float().square().mean().backward()
@@ -210,21 +222,13 @@ def main() -> int:
     global DEVICE, LAYERS, SEQ, PAD
     if "--cpu" in sys.argv:  # a smoke test of this script itself: tiny, on the CPU (the ops' CPU reference)
         DEVICE, LAYERS, SEQ, PAD = "cpu", 2, 32, 4
-    elif not torch.cuda.is_available():
-        print("FAIL: needs a CUDA GPU (or --cpu for a smoke test of the script)")
+    if not header(DEVICE == "cpu"):
         return 1
-    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, {where}, fuse_plugin from {fuse_plugin.__file__}")
     rows: list = []
     for reentrant in (False, True):
         check_checkpointed(reentrant, rows)
     check_dropout(rows)
-    width = max(len(r[0]) for r in rows)
-    for name, ok, detail in rows:
-        print(f"{'PASS' if ok else 'FAIL'}  {name.ljust(width)}  {detail}")
-    ok = all(r[1] for r in rows)
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+    return report(rows)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fuse_plugin  # noqa: E402,F401
 from fuse_plugin.ops import reference  # noqa: E402
-from gpu_checkpoint_check import as_accurate, rel, report, train_parity  # noqa: E402  (the same measures)
+from gpu_checkpoint_check import as_accurate, header, rel, report, train_parity  # noqa: E402  (the same measures)
 
 DEVICE = "cuda"
 SOFTCAP = 30.0
@@ -162,11 +162,8 @@ def main() -> int:
     global DEVICE, LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ, PAD, WINDOW
     if "--cpu" in sys.argv:  # smoke test of the script: tiny, on the CPU (the ops' CPU reference)
         DEVICE, LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, SEQ, PAD, WINDOW = "cpu", 2, 64, 4, 2, 16, 32, 4, 8
-    elif not torch.cuda.is_available():
-        print("FAIL: needs a CUDA GPU (or --cpu for a smoke test of the script)")
+    if not header(DEVICE == "cpu"):
         return 1
-    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
-    print(f"torch {torch.__version__}, {where}, fuse_plugin from {fuse_plugin.__file__}")
     rows: list = []
     t0 = time.time()
     check_kernels(rows)
