@@ -143,13 +143,18 @@ def _sm_count(device: torch.device) -> Optional[int]:
 
 
 @triton.jit
-def _rows(row_block, Hkv_idx, group, Lq, BLOCK_M: tl.constexpr):
-    """Rows of this program's tile: (query head, query index, in-range mask), all (BLOCK_M,)."""
+def _program_rows(pid, row_blocks, Hkv, group, Lq, BLOCK_M: tl.constexpr):
+    """The tile of program ``pid`` (grid axis 0: batch x kv head x row block): (batch, kv head,
+    query head, query index, in-range mask), the last three (BLOCK_M,)."""
+    row_block = pid % row_blocks
+    bk = pid // row_blocks
+    b = (bk // Hkv).to(tl.int64)
+    kvh = (bk % Hkv).to(tl.int64)
     r = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
     g = r // Lq
     qi = r % Lq
-    h = (Hkv_idx * group + g).to(tl.int64)
-    return h, qi.to(tl.int64), r < group * Lq
+    h = (kvh * group + g).to(tl.int64)
+    return b, kvh, h, qi.to(tl.int64), r < group * Lq
 
 
 @triton.jit
@@ -278,11 +283,7 @@ def attention_decode_split_kernel(
     pid = tl.program_id(0)
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
-    row_block = pid % row_blocks
-    bk = pid // row_blocks
-    b = (bk // Hkv).to(tl.int64)
-    kvh = (bk % Hkv).to(tl.int64)
-    h, qi, row_ok = _rows(row_block, kvh, group, Lq, BLOCK_M)
+    b, kvh, h, qi, row_ok = _program_rows(pid, row_blocks, Hkv, group, Lq, BLOCK_M)
     bias_rows = Bias + b * stride_bb + h * stride_bh + qi * stride_bm
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
@@ -330,11 +331,7 @@ def attention_decode_combine_kernel(
     whose skipped keys could matter are recomputed here over all keys (Numerics)."""
     score_scale = tl.cast(score_scale, tl.float32)
     pid = tl.program_id(0)
-    row_block = pid % row_blocks
-    bk = pid // row_blocks
-    b = (bk // Hkv).to(tl.int64)
-    kvh = (bk % Hkv).to(tl.int64)
-    h, qi, row_ok = _rows(row_block, kvh, group, Lq, BLOCK_M)
+    b, kvh, h, qi, row_ok = _program_rows(pid, row_blocks, Hkv, group, Lq, BLOCK_M)
     r = tl.arange(0, BLOCK_M)
     dv = tl.arange(0, BLOCK_DV)
     base = pid.to(tl.int64) * n_splits * BLOCK_M
