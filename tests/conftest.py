@@ -15,3 +15,23 @@ if not torch.cuda.is_available():
 # The suite exercises the rope-into-attention fold (opt-in for users while it is slower than the
 # unfused pair); tests of the default set FUSE_PLUGIN_ROPE_ATTENTION=0 themselves.
 os.environ.setdefault("FUSE_PLUGIN_ROPE_ATTENTION", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every kernel output starts as NaN, so an element a kernel forgets to write fails a NaN or
+    accuracy check; fp32 is checked to 1e-5, so tf32 dots are switched off (the launcher follows
+    this flag)."""
+    from fuse_plugin.kernels import attention as attn
+
+    monkeypatch.setattr(attn, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan"), dtype=dtype, device=device))
+    # (not monkeypatch.setattr: cuBLASModule serves the flag through __getattr__, which newer
+    # pytest refuses to patch)
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old

@@ -217,8 +217,9 @@ def test_num_splits():
 
 
 @pytest.fixture
-def spy(monkeypatch):
-    """Counts the decode launches made through kernels/attention.py's dispatch."""
+def spy(monkeypatch, poisoned):
+    """Counts the decode launches made through kernels/attention.py's dispatch (outputs
+    poisoned: conftest's ``poisoned``)."""
     calls = []
     real = attn.attention_decode_forward
 
@@ -227,8 +228,6 @@ def spy(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(attn, "attention_decode_forward", spying)
-    monkeypatch.setattr(attn, "_empty", lambda shape, dtype, device: torch.full(
-        shape, float("nan"), dtype=dtype, device=device))
     return calls
 
 

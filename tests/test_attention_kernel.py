@@ -23,19 +23,10 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
 @pytest.fixture(autouse=True)
-def poisoned_outputs_no_tf32(monkeypatch):
-    """Every kernel output starts as NaN, so an element a kernel forgets to write fails the
-    NaN checks below. fp32 is checked to 1e-5, so tf32 dots are switched off (the launcher
-    follows this flag)."""
-    monkeypatch.setattr(
-        attn, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype,
-                                                                device=device))
-    # (not monkeypatch.setattr: cuBLASModule serves the flag through __getattr__, which newer
-    # pytest refuses to patch)
-    old_tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+def poisoned_outputs_no_tf32(poisoned):
+    """Every test here runs with NaN-poisoned kernel outputs and without tf32 (conftest's
+    ``poisoned``: an element a kernel forgets to write fails the NaN checks below)."""
     yield
-    torch.backends.cuda.matmul.allow_tf32 = old_tf32
 
 
 def reference(q, k, v, bias, is_causal, scale):

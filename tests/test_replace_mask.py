@@ -33,17 +33,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:overflow encountered:RuntimeWarning")  # the interpreter's finfo.min * log2(e) (-inf: weight 0)
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every kernel output starts as NaN; fp32 dots without tf32 (checked to 1e-5)."""
-    monkeypatch.setattr(attn, "_empty", lambda shape, dtype, device: torch.full(
-        shape, float("nan"), dtype=dtype, device=device))
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def eager(q, k, v, bias, replace, causal, scale, softcap=0.0):
     """The op's math, in q's dtype, GQA by repeating k/v."""
     g = q.shape[1] // k.shape[1]

@@ -30,17 +30,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero encountered:RuntimeWarning")
 
 
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every kernel output starts as NaN; fp32 dots without tf32 (checked to 1e-5)."""
-    monkeypatch.setattr(attn, "_empty", lambda shape, dtype, device: torch.full(
-        shape, float("nan"), dtype=dtype, device=device))
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
 def eager(q, k, v, bias, causal, scale, softcap):
     """The eager math (Gemma 2's order: scale, softcap, mask, softmax) in q's dtype, GQA by
     repeating k/v."""
