@@ -40,8 +40,7 @@ and it fuses none of NEAR_MISSES (the weights returned too, a tensor scale, an i
 (9 and 10, the scale on q with casts around the softmax, are not fused by stock in float32; in training
 stock matches only the patterns above, and with dropout p = 0.3.)
 
-The plugin fuses every case stock fuses (NOT_FUSED_BY_US is empty; a gap would be marked
-xfail(strict=True) there). sfdp_19, GPT-2's `where(causal, s, finfo.min) + padding`, a finite fill
+The plugin fuses every case stock fuses. sfdp_19, GPT-2's `where(causal, s, finfo.min) + padding`, a finite fill
 followed by an additive mask, is fused with the op's replace mask (patterns/attention_bias.py: in a
 row masked everywhere eager mixes filled and added scores, which the op then computes as eager).
 """
@@ -425,10 +424,6 @@ def _stock_fuses_from_docstring() -> set:
 # (case, mode) pairs stock Inductor fuses: the module docstring's list (the slow mode re-derives it).
 STOCK_FUSES = _stock_fuses_from_docstring()
 
-# Cases the plugin does not fuse (in any mode), with the reason: xfail(strict=True) in CI.
-NOT_FUSED_BY_US: dict = {}
-
-
 # --- running a case ----------------------------------------------------------------------------
 
 
@@ -499,16 +494,8 @@ def stock_fuses(name, training):
 MODES = ["inference", "training"]
 
 
-def _params():
-    for name in CASES:
-        for mode in MODES:
-            marks = []
-            if name in NOT_FUSED_BY_US:
-                marks.append(pytest.mark.xfail(strict=True, reason=NOT_FUSED_BY_US[name]))
-            yield pytest.param(name, mode, marks=marks, id=f"{name}-{mode}")
-
-
-@pytest.mark.parametrize("name,mode", list(_params()))
+@pytest.mark.parametrize("name,mode", [pytest.param(name, mode, id=f"{name}-{mode}")
+                                       for name in CASES for mode in MODES])
 def test_fused_with_parity(name, mode):
     """One site fused; outputs and all gradients equal eager's. Dropout cases run with p = 0 here."""
     training = mode == "training"
@@ -533,11 +520,7 @@ def test_near_miss(name, mode):
     assert_parity(got_out, got_grads, want_out, want_grads)
 
 
-DROPOUT_CASES = [
-    pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=NOT_FUSED_BY_US[name])]
-                 if name in NOT_FUSED_BY_US else [])
-    for name, (_, _, has_dropout) in CASES.items() if has_dropout
-]
+DROPOUT_CASES = [name for name, (_, _, has_dropout) in CASES.items() if has_dropout]
 
 
 @pytest.mark.parametrize("name", DROPOUT_CASES)
@@ -563,7 +546,6 @@ def test_stock_list_names_known_cases():
     fused by test_fused_with_parity or a known gap (xfail strict there)."""
     assert len(STOCK_FUSES) == 52
     assert {name for name, _ in STOCK_FUSES} <= set(CASES)
-    assert set(NOT_FUSED_BY_US) <= {name for name, _ in STOCK_FUSES}
 
 
 @pytest.mark.skipif(os.environ.get("FUSE_PLUGIN_STOCK_CASES") != "1",
@@ -586,4 +568,4 @@ def test_plugin_fuses_what_stock_fuses():
     print("stock fuses:", sorted(found))
     print("stock fuses, plugin not:", sorted(found - ours))
     assert found == STOCK_FUSES, f"stock Inductor now fuses {sorted(found)}; update STOCK_FUSES"
-    assert {name for name, _ in found - ours} <= set(NOT_FUSED_BY_US), "stock fuses, the plugin does not"
+    assert not found - ours, "stock fuses, the plugin does not"
