@@ -68,6 +68,8 @@ def record(quick: bool):
     mask = torch.zeros(2, 1, 1, 768, dtype=dt).expand(2, 4, 1, 768)
     A.attention_forward(torch.randn(2, 4, 1, 128, dtype=dt), kc, vc, mask, is_causal=False,
                         scale=0.1)
+    A.attention_forward(torch.randn(2, 4, 1, 64, dtype=dt), kc[..., :64], vc[..., :64], mask,
+                        is_causal=False, scale=0.1)  # D 64 (generate.py's llama100m)
     for causal, tile in ((True, (128, 64, 4, 2)), (False, (64, 128, 4, 2))):  # the TMA forward
         A.attention_forward(q, k, v, None, is_causal=causal, scale=0.1,
                             config=A.AttentionConfig(*tile, False, "tma"))

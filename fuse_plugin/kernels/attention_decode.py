@@ -83,11 +83,15 @@ SCORE_BOUND = 16384.0
 _MASKED_BIAS = tl.constexpr(MASKED_BIAS)
 _SKIP_GAP = tl.constexpr(SCORE_BOUND + 128.0)  # row max - sk >= this: the skip was exact
 # Splits per (batch, kv head, row block): the combine reads them all, so keep them few.
-MAX_SPLITS = 32
+MAX_SPLITS = 16
 # Fewest key blocks a split gets (its fixed cost: the q tile load, the partial store).
 MIN_BLOCKS_PER_SPLIT = 2
-# Programs aimed at per SM (decode is bound by K/V reads: several tiles in flight per SM).
-PROGRAMS_PER_SM = 4
+# Programs aimed at per SM. Decode steps are latency-bound (a 4k-key step of a 12/4-head model
+# reads a few MB): H100 sweep (stop 16, benchmarks/RESULTS.md) of splits 8-128 x 32-128 keys per
+# step x 2-8 warps, B 1/8, D 64/128, 768/4352 keys: the best had 8-16 splits, 128-key steps and
+# 4 warps; 2 programs per SM with at most 16 splits lands there (4 per SM, 32 splits and 64-key
+# steps, the first guess, were 14-24% slower).
+PROGRAMS_PER_SM = 2
 
 
 class DecodeConfig(NamedTuple):
@@ -102,16 +106,16 @@ class DecodeConfig(NamedTuple):
 
 def decode_config(rows: int, D: int, Dv: int, dtype: torch.dtype) -> DecodeConfig:
     """Tiles for ``rows`` = (Hq // Hkv) * Lq query rows per GQA group: all of them in one tile up
-    to 64 (32 at head dims above 128, fp32 included), 64 keys per step (32 with fp32 or head
-    dims above 128: the K/V tiles and the fp32 accumulator stay in registers). No spills in
-    local sm_90 compiles (Triton 3.9, ptxas); not timed on a GPU yet."""
+    to 64 (32 at head dims above 128, fp32 included); 128 keys per step in 2 stages with 16-bit
+    inputs up to head dim 128 (the H100 sweep's best, see ``PROGRAMS_PER_SM``), else 32 keys per
+    step (the K/V tiles and the fp32 accumulator stay in registers)."""
     d = max(next_pow2(D), next_pow2(Dv), 16)
     wide = d > 128 or dtype == torch.float32
     block_m = max(16, min(next_pow2(rows), 32 if wide else 64))
-    block_n = 32 if wide else 64
+    block_n = 32 if wide else 128
     # fp32 at D 128: ieee dots keep their operands in registers (4 warps spilled, sm_90 compile)
     warps = 8 if dtype == torch.float32 and d >= 128 else 4
-    return DecodeConfig(block_m, block_n, warps, 2 if wide else 3)
+    return DecodeConfig(block_m, block_n, warps, 2)
 
 
 def num_splits(programs: int, key_blocks: int, sms: Optional[int]) -> int:
