@@ -209,11 +209,11 @@ def test_forward_family_choice():
 
 
 def test_num_splits():
-    assert dec.num_splits(4, 68, 132) == dec.MAX_SPLITS  # B 1, Hkv 4, 4352 keys: capped
-    assert dec.num_splits(32, 68, 132) == 17  # B 8: 4 programs per SM
+    assert dec.num_splits(4, 34, 132) == dec.MAX_SPLITS  # B 1, Hkv 4, 4352 keys: capped
+    assert dec.num_splits(32, 34, 132) == 9  # B 8: 2 programs per SM
     assert dec.num_splits(4, 3, 132) == 1  # too few key blocks to share
     assert dec.num_splits(1024, 68, 132) == 1  # the grid is full without splitting
-    assert dec.num_splits(4, 68, None) == 4  # CPU
+    assert dec.num_splits(4, 34, None) == 4  # CPU
 
 
 @pytest.fixture
@@ -292,7 +292,8 @@ def test_compiled_decode_step_matches(spy):
     with kernels(), torch._inductor.config.patch(force_disable_caches=True):
         out, code = run_and_get_code(torch.compile(step, backend="fuse_plugin"), q, k, v, mask)
     assert counters["fuse_plugin"]["attention"] == 1, "the attention was not fused"
-    assert len(spy) == 1, "the decode kernels did not run"
+    # traced once in the interpreter; on the GPU Inductor may trace the launcher again (same call)
+    assert spy and all(shape == spy[0] for shape in spy), f"the decode kernels did not run: {spy}"
     if DEVICE == "cuda":  # compiled on the GPU, Inductor launches them itself
         assert "attention_decode_split_kernel" in "\n".join(code)
     ref_out, _ = reference(q, k, v, mask, False, 0.125)
