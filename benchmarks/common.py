@@ -14,10 +14,11 @@ if _ROOT not in sys.path:
     sys.path.insert(1, _ROOT)
 
 
-def emit(lines: list[str], out: str | None) -> None:
-    """Print the finished table and, with --out, write it to a file (for RESULTS.md)."""
+def emit(lines: list[str], out: str | None, quiet: bool = False) -> None:
+    """Print the finished table (unless quiet) and, with --out, write it to a file (for RESULTS.md)."""
     text = "\n".join(lines)
-    print(text)
+    if not quiet:
+        print(text)
     if out:
         with open(out, "w") as f:
             f.write(text + "\n")
