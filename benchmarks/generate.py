@@ -37,6 +37,7 @@ mode. ``floor`` (``--floor-modes``, reduce-overhead by default) is the model wit
 all (stock compile, wrong tokens by design): ``floor / best stock`` is the most that any
 attention kernel could give that row, the ceiling of the plugin's ratio. With ``--out`` the
 table is rewritten after every row.
+``--profile N`` prints, per cell, where a generation of N tokens spends host and GPU time.
 ``--rounds 0`` compiles and warms up only: a few such processes over disjoint rows, run in
 parallel, fill Inductor's and Triton's caches for the timed run.
 """
@@ -228,6 +229,8 @@ def run_row(name, prompt_len, batch, args, results, log):
             cell.t1.append(t1)
             cell.tn.append(tn)
     recompiles = graphs_compiled() - graphs_before
+    for key, cell in cells if args.profile else ():
+        log(f"  profile {' '.join(map(str, key))}: {profile(cell, args.profile)}")
     eager = next((t for (_, _, _, variant, _), t in tokens.items() if variant == "eager"), None)
     for key, cell in cells:
         decode = [batch * (n - 1) / max(tn - t1, 1e-9) for t1, tn in zip(cell.t1, cell.tn)]
@@ -241,6 +244,38 @@ def run_row(name, prompt_len, batch, args, results, log):
     if device == "cuda":
         torch.cuda.empty_cache()
     torch._dynamo.reset()
+
+
+def profile(cell, n: int, top: int = 6) -> str:
+    """Where a generation of n tokens spends its time (torch.profiler; kernels in CUDA-graph
+    replays are recorded too): the prefill (generate(1)) and the n - 1 decode steps apart, per
+    call: host wall, GPU kernels launched and their summed time, the top kernels by time; for the
+    prefill also the host's top ops by self time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def one(tokens):
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall, _ = cell.timed(tokens)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_name: dict = {}
+        for e in kernels:
+            t, c = by_name.get(e.name, (0.0, 0))
+            by_name[e.name] = (t + e.device_time, c + 1)
+        host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0),
+                      key=lambda e: -e.self_cpu_time_total)[:top]
+        host = ", ".join(f"{e.key[:40]} {e.self_cpu_time_total:.0f}us x{e.count}" for e in host)
+        return wall * 1e6, len(kernels), sum(e.device_time for e in kernels), by_name, host
+
+    w1, k1, g1, _, host1 = one(1)
+    wn, kn, gn, names, _ = one(n)
+    steps = n - 1
+    tops = sorted(names.items(), key=lambda kv: -kv[1][0])[:top]
+    tops = ", ".join(f"{name[:40]} {t / steps:.0f}us x{c / steps:.1f}" for name, (t, c) in tops)
+    return (f"prefill: wall {w1:.0f} us, {k1} kernels, {g1:.0f} us GPU, host self time: {host1} | "
+            f"per decode step: wall "
+            f"{(wn - w1) / steps:.0f} us, {(kn - k1) / steps:.1f} kernels, {(gn - g1) / steps:.0f} us GPU | "
+            f"top (whole run, per step): {tops}")
 
 
 def fmt(cell) -> str:
@@ -287,6 +322,8 @@ def main(argv=None):
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved timed rounds per row (0: compile and warm up only)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the rounds, profile one generation of N tokens per cell (where the time goes)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU (fp32)")
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer model, prompt 16, batch 2, 8 new tokens, default mode (a smoke run)")
