@@ -86,15 +86,20 @@ def config(name: str):
 
 def no_attention(module, query, key, value, attention_mask, **kwargs):
     """The ``floor`` variant's attention: none (the queries pass through as its output, (B, L, H,
-    D)); the cache is still written. Wrong tokens by design: a model whose attention costs
-    nothing, the bound on what any attention kernel can give the step."""
+    D)); the cache is still written, and HF builds the same mask for it as for eager attention
+    (``generate`` builds it outside the compiled forward at every step: host time that every
+    other variant pays). Wrong tokens by design: a model whose attention costs nothing, the
+    bound on what any attention kernel can give the step."""
     return query.transpose(1, 2), None
 
 
 def build(name: str, attn: str, device: str, dtype: torch.dtype):
     from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register("fuse_plugin_floor", no_attention)
+    # without a mask function of its own HF would build no mask at all for it (a cheaper step)
+    AttentionMaskInterface.register("fuse_plugin_floor", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config(name)), attn_implementation=attn, dtype=dtype)
