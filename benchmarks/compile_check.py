@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 import common  # noqa: E402,F401  (puts the source tree on sys.path)
 import fuse_plugin.kernels.attention as A  # noqa: E402
+import fuse_plugin.kernels.attention_config as AC  # noqa: E402
 import fuse_plugin.kernels.attention_decode as DEC  # noqa: E402
 
 KERNELS = ["attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_tma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",
@@ -54,7 +55,7 @@ def record(quick: bool):
     for name in ("attention_decode_split_kernel", "attention_decode_combine_kernel"):
         setattr(DEC, name, Recorder(getattr(DEC, name), launches))
     DEC._upcast_dot = lambda t: False
-    A._smem_limit = lambda device: None  # no device to ask
+    AC._smem_limit = lambda device: None  # no device to ask
     # The tensors here are CPU tensors; compile what a CUDA launch would: no interpreter upcast
     # of bf16 dots (fp16/bf16 dots ignore the precision argument).
     A._interpreted = lambda t: False

@@ -1,9 +1,11 @@
-"""Flash-attention forward and backward kernels (Triton, FA2-style): configs and launchers.
+"""Flash-attention forward and backward kernels (Triton, FA2-style): the launchers.
 
 The kernels live in attention_fwd.py (forward) and attention_bwd.py (backward: preprocess, atomic
-path, deterministic path), their shared device helpers in attention_tiles.py; this module holds
-what the ops call (``attention_forward``, ``attention_backward``), the launch configs and the
-checks. Everything below describes the kernels as a whole.
+path, deterministic path), their shared device helpers in attention_tiles.py, the TMA, Gluon and
+decode families in attention_*_tma.py, attention_*_gluon.py and attention_decode.py, their tiles
+(``AttentionConfig``, the table lookup and heuristics) in attention_config.py; this module holds
+what the ops call (``attention_forward``, ``attention_backward``): the checks, which family runs a
+call, and the launches. Everything below describes the kernels as a whole.
 
 Shapes and layouts
 ------------------
@@ -130,7 +132,6 @@ from triton.runtime.errors import OutOfResources
 
 from . import attention_bwd_gluon as gluon_bwd
 from . import attention_fwd_gluon as gluon_fwd
-from . import tuning
 from .launch import (Desc, aligned16, descriptors_traceable, is_tracing, launch,
                      python_ops_allowed, tma_strides_ok)
 from .attention_bwd import (
@@ -150,83 +151,37 @@ from .attention_decode import attention_decode_forward
 from .attention_fwd import attention_fwd_kernel
 from .attention_fwd_tma import attention_fwd_tma_kernel
 from . import host
-from .host import BOOL_BIAS as _BOOL_BIAS
+from .attention_config import (  # noqa: F401  (some only re-exported: tune.py, tests)
+    _GLUON_BWD_KERNELS,
+    _GLUON_KERNELS,
+    _KERNELS_OF,
+    _PAIR_KERNELS,
+    _SAFE_CONFIG,
+    KERNEL_VARIANTS,
+    AttentionConfig,
+    _backward_config,
+    _block_d,
+    _d_parts,
+    _deterministic_backward_config,
+    _fit_smem,
+    _forward_config,
+    _gluon_bwd_variant,
+    _gluon_variant,
+    _pick_config,
+    _smem_estimate,
+    _smem_limit,
+    _tma_pair_fallback,
+)
 from .host import FLOAT_BIAS as _FLOAT_BIAS
 from .host import NO_BIAS as _NO_BIAS
 from .host import bias_args as _bias_args
 from .host import cdiv as _cdiv
 from .host import dropout_scale, dropout_threshold
-from .host import next_pow2 as _next_pow2
 
 __all__ = ["AttentionConfig", "Rope", "attention_forward", "attention_backward"]
-# Values of the BIAS_KIND constexpr.
-_MASK_NAMES = {_NO_BIAS: "none", _BOOL_BIAS: "bool", _FLOAT_BIAS: "float"}
-
-
-class AttentionConfig(NamedTuple):
-    """Launch parameters of one kernel family (pass as ``config=`` to override the table).
-
-    Forward: ``block_m`` query rows per program, ``block_n`` keys per loop step. Backward
-    (default, atomic path): ``block_n`` keys per program (dK/dV stay in registers), ``block_m``
-    queries per loop step; the deterministic backward reads them the same way in both kernels.
-    ``split_d``: compute a non-power-of-2 head dim as two power-of-2 parts (see module doc).
-    ``kernel``: which kernel family runs (``KERNEL_VARIANTS``):
-
-    * ``"general"``: the general kernels (attention_fwd.py; the atomic attention_bwd_kernel);
-    * ``"tma"``: the Hopper TMA kernels (attention_fwd_tma.py / attention_bwd_tma.py) when the
-      problem is one they cover (``_tma_ineligible``); a table entry falls back to the general
-      kernel's heuristic tiles otherwise, a user-given config raises;
-    * ``"two_kernel"`` (backward only): the atomic-free pair attention_bwd_dkdv_kernel +
-      attention_bwd_dq_kernel (7 matmuls per block pair instead of 5, but no dQ atomics: faster
-      where the atomic kernel's dQ traffic or registers dominate, e.g. D 256);
-    * ``"tma_pair"`` (backward only): the atomic-free pair with TMA tiles
-      (attention_bwd_dkdv_tma_kernel + attention_bwd_dq_tma_kernel) for the TMA kernels'
-      problems with D in {64, 128, 256}: the dK/dV kernel takes (block_m, block_n,
-      num_warps, num_stages) and the dQ kernel ``dq_tile`` (the same tiles when None),
-      ``block_m`` queries and ``block_n`` keys in both. A table entry falls back to the
-      general pair with ``_deterministic_backward_config``'s tiles where it does not apply, a
-      user-given config raises;
-    * ``"gluon"`` / ``"gluon_pingpong"`` (forward only): the warp-specialised Hopper kernel
-      (attention_fwd_gluon.py; sm_90 with Triton 3.6, the TMA kernels' problems) with
-      ``block_m`` = 2 consumer warpgroups x 64 or 128 rows, ``block_n`` 64 or 128 keys,
-      ``num_stages`` K/V buffers (``num_warps`` is fixed by the kernel's partitions); the
-      ``_pingpong`` form makes the two consumers take turns on the tensor cores. A table entry
-      falls back to the TMA kernel (then the general one) where it does not apply, a
-      user-given config raises;
-    * ``"gluon"`` / ``"gluon_lpt"`` (backward): the warp-specialised Hopper backward
-      (attention_bwd_gluon.py, same problems and platform; not in deterministic mode: dQ is
-      added atomically) with ``block_n`` keys per program (two consumer warpgroups),
-      ``block_m`` queries per step and ``num_stages`` Q/dO buffers, one of its compiled
-      ``VARIANTS``; ``_lpt``: causal key blocks started heaviest first within L2-sized
-      sections. A table entry falls back to the general kernel's heuristic tiles where it does
-      not apply."""
-
-    block_m: int  # query rows per tile (power of 2, >= 16)
-    block_n: int  # key rows per tile (power of 2, >= 16)
-    num_warps: int
-    num_stages: int
-    split_d: bool = False
-    kernel: str = "general"
-    # "tma_pair" only: (block_m, block_n, num_warps, num_stages) of its dQ kernel.
-    dq_tile: Optional[tuple] = None
-
-    @property
-    def tma(self) -> bool:
-        return self.kernel == "tma"
-
-
-KERNEL_VARIANTS = ("general", "tma", "two_kernel", "tma_pair", "gluon", "gluon_pingpong",
-                   "gluon_lpt")
-_GLUON_KERNELS = ("gluon", "gluon_pingpong")
-_GLUON_BWD_KERNELS = ("gluon", "gluon_lpt")
-_KERNELS_OF = {"fwd": ("general", "tma", "gluon", "gluon_pingpong"),
-               "bwd": ("general", "tma", "two_kernel", "tma_pair", "gluon", "gluon_lpt")}
-# The atomic-free backward pairs (deterministic by construction).
-_PAIR_KERNELS = ("two_kernel", "tma_pair")
-
 
 # --------------------------------------------------------------------------------------------
-# Launch parameters
+# Outputs and the launch retry
 # --------------------------------------------------------------------------------------------
 
 
@@ -252,151 +207,6 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     if t.is_contiguous():
         return t
     return torch.ops.aten._to_copy(t, memory_format=torch.contiguous_format)
-
-
-def _block_d(d: int) -> int:
-    return max(16, _next_pow2(d))
-
-
-def _d_parts(d: int, split: bool) -> tuple[int, int]:
-    """Head-dim tile widths (D0, D1): one power of 2 >= d (D1 = 0), or with ``split`` two powers
-    of 2 covering d with less padding, e.g. 80 -> (64, 16), 96 -> (64, 32), 160 -> (128, 32),
-    192 -> (128, 64). A split that saves nothing (d a power of 2, 112 -> 64 + 64) is not made."""
-    p = _block_d(d)
-    if split and d != p and d > 16:
-        lo = p // 2
-        hi = _block_d(d - lo)
-        if lo + hi < p:
-            return lo, hi
-    return p, 0
-
-
-def _forward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
-    """Heuristic forward tiles (a table miss): known-good sm_90 choices that also fit GPUs with
-    less shared memory after ``_fit_smem``. fp32 has its own rows: with ieee precision its dots
-    run on FMA units with register-held operands and need smaller tiles."""
-    d = max(_block_d(D), _block_d(Dv))
-    if dtype == torch.float32:
-        if d <= 64:
-            return AttentionConfig(64, 32, 8, 2)
-        if d <= 128:
-            return AttentionConfig(32, 64, 8, 2)
-        return AttentionConfig(32, 32, 8, 1)
-    split = _d_parts(max(D, Dv), True)[1] != 0
-    if d <= 128:
-        # The general kernel's tuned winner at D 64 and 128 (H100, tune --plan full, stop 9):
-        # also what a TMA table entry falls back to for dropout / rope problems.
-        return AttentionConfig(64, 64, 4, 3, split)
-    return AttentionConfig(128, 32, 8, 2, split)
-
-
-def _backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
-    """Heuristic tiles of the atomic backward (a table miss). block_n keys stay resident with two
-    fp32 block_n x D accumulators, so large head dims get fewer keys per program."""
-    d = max(_block_d(D), _block_d(Dv))
-    if dtype == torch.float32:
-        if d <= 64:
-            return AttentionConfig(32, 32, 8, 1)
-        if d <= 128:
-            return AttentionConfig(16, 32, 4, 1)
-        return AttentionConfig(16, 32, 8, 1)
-    split = _d_parts(max(D, Dv), True)[1] != 0
-    if d <= 128:
-        # The general kernel's tuned winner at D 64 and 128 (H100, stop 9; also what a Gluon/TMA
-        # table entry falls back to for dropout or a bias); _fit_smem trims it elsewhere.
-        return AttentionConfig(64, 128, 8, 2, split)
-    return AttentionConfig(32, 64, 8, 1, split)
-
-
-def _deterministic_backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
-    """Tiles of the two atomic-free backward kernels (picked from sm_90 compiles as the largest
-    tiles without register spills; above D 128 the H100's fastest, NOTES.md attempt 13, which
-    spill a little). Also what a table "tma_pair" entry falls back to."""
-    d = max(_block_d(D), _block_d(Dv))
-    if dtype == torch.float32:
-        if d <= 64:
-            return AttentionConfig(32, 32, 8, 1)
-        if d <= 128:
-            return AttentionConfig(16, 32, 4, 1)
-        return AttentionConfig(16, 32, 8, 1)
-    if d <= 64:
-        return AttentionConfig(64, 64, 8, 2)
-    if d <= 128:
-        return AttentionConfig(32, 64, 8, 2)
-    return AttentionConfig(64, 64, 8, 2)
-
-
-def _tma_pair_fallback(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
-    """What a table "tma_pair" entry runs where the TMA pair cannot (a mask, dropout, rope,
-    another head dim, a layout): the general atomic-free pair with its deterministic tiles (the
-    tuner's fill step writes the same for mask keys)."""
-    return _deterministic_backward_config(D, Dv, dtype)._replace(kernel="two_kernel")
-
-
-# Smallest tiles, for the retry after a table/heuristic config failed to launch (shared memory).
-_SAFE_CONFIG = AttentionConfig(32, 32, 4, 1)
-
-
-def _smem_limit(device: torch.device) -> Optional[int]:
-    if device.type != "cuda":
-        return None
-    try:
-        return triton.runtime.driver.active.utils.get_device_properties(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )["max_shared_mem"]
-    except Exception:  # pragma: no cover - driver without the query
-        return None
-
-
-def _smem_estimate(kernel: str, cfg: AttentionConfig, D: int, Dv: int, elt: int,
-                   bias_elt: int) -> int:
-    """Rough shared memory of a launch: the pipelined tiles (num_stages copies) plus the
-    resident ones. Used to shrink heuristic stages on small-shared-memory GPUs and by the tuner
-    to prune candidates; the launch itself is the final judge."""
-    d0, d1 = _d_parts(D, cfg.split_d)
-    v0, v1 = _d_parts(Dv, cfg.split_d)
-    dp, dvp = d0 + d1, v0 + v1
-    bm, bn, st = cfg.block_m, cfg.block_n, max(1, cfg.num_stages)
-    if kernel == "fwd" and cfg.kernel in _GLUON_KERNELS:
-        return gluon_fwd._smem_bytes(_gluon_variant(cfg), max(dp, dvp), elt)
-    if kernel == "bwd" and cfg.kernel in _GLUON_BWD_KERNELS:
-        variant = gluon_bwd.VARIANTS.get(_gluon_bwd_variant(cfg))
-        return gluon_bwd.smem_bytes_estimate(variant, max(dp, dvp), elt) if variant else 2**30
-    if kernel == "fwd":
-        resident = bm * dp * elt
-        streamed = bn * (dp + dvp) * elt + bm * bn * bias_elt
-        if cfg.tma:  # TMA copies land in shared memory; P stays in registers (+ barriers)
-            return resident + st * streamed + 1024
-        return resident + st * streamed + bm * bn * elt
-    if cfg.kernel == "tma_pair":  # TMA copies in shared memory: resident + stages x streamed
-        qm, qn, _, qs = cfg.dq_tile or cfg[:4]
-        return max(bn + st * bm, qm + max(1, qs) * qn) * (dp + dvp) * elt + 1024
-    resident = bn * (dp + dvp) * elt
-    if cfg.tma:  # Q/dO copies in shared memory, the fp32 dQ tile of the TMA reduction, dS
-        return resident + st * bm * (dp + dvp) * elt + bm * dp * 4 + bm * bn * elt + 4096
-    streamed = bm * (dp + dvp) * elt + bm * bn * bias_elt + 8 * bm
-    return resident + st * streamed + 2 * bm * bn * elt
-
-
-def _fit_smem(kernel, cfg, D, Dv, elt, bias_elt, device) -> AttentionConfig:
-    limit = _smem_limit(device)
-    if limit is None:
-        return cfg
-    while cfg.num_stages > 1 and _smem_estimate(kernel, cfg, D, Dv, elt, bias_elt) > limit:
-        cfg = cfg._replace(num_stages=cfg.num_stages - 1)
-    return cfg
-
-
-def _pick_config(kernel: str, q: torch.Tensor, D: int, Dv: int, causal: bool, kind: int,
-                 Lq: int, Lk: int, bias_elt: int) -> AttentionConfig:
-    """Table entry for this GPU and problem, else the heuristic (never autotuned)."""
-    if q.is_cuda:
-        entry = tuning.lookup(kernel, q.device, q.dtype, D, Dv, causal, _MASK_NAMES[kind], Lq, Lk)
-        if entry is not None:
-            return AttentionConfig(*entry)
-    heuristic = _forward_config if kernel == "fwd" else _backward_config
-    return _fit_smem(kernel, heuristic(D, Dv, q.dtype), D, Dv, q.element_size(), bias_elt,
-                     q.device)
 
 
 _FAILED_CONFIGS: dict = {}
@@ -770,11 +580,6 @@ def _gluon_traced_ineligible(q, k, is_causal: bool) -> Optional[str]:
     return _host_heavy_traced_ineligible(q, k, is_causal, "its op")
 
 
-def _gluon_variant(cfg: AttentionConfig) -> "gluon_fwd.GluonFwdVariant":
-    return gluon_fwd.GluonFwdVariant(cfg.block_m // 2, cfg.block_n, cfg.num_stages,
-                                     cfg.kernel == "gluon_pingpong")
-
-
 def _gluon_bwd_ineligible(q, k, v, out, dout, kind, rope_consts, dropout, is_causal, scale, D,
                          Dv) -> Optional[str]:
     """None when the Gluon backward (attention_bwd_gluon.py) covers this problem, else why not:
@@ -795,12 +600,6 @@ def _gluon_bwd_ineligible(q, k, v, out, dout, kind, rope_consts, dropout, is_cau
     if out.stride(-1) != 1 or max(q.shape[2], k.shape[2]) >= 2**31 or not math.isfinite(scale):
         return "out needs a unit last stride, lengths below 2**31 and a finite scale"
     return None
-
-
-def _gluon_bwd_variant(cfg: AttentionConfig) -> str:
-    """The Gluon backward's variant name of a config (attention_bwd_gluon.VARIANTS)."""
-    lpt = "l" if cfg.kernel == "gluon_lpt" else ""
-    return f"m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}x{lpt}"
 
 
 # Inductor finds a user kernel's writes in its Triton IR, whose write ops do not include the TMA
