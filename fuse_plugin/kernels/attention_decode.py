@@ -90,7 +90,7 @@ MIN_BLOCKS_PER_SPLIT = 2
 # reads a few MB): H100 sweep (stop 16, benchmarks/RESULTS.md) of splits 8-128 x 32-128 keys per
 # step x 2-8 warps, B 1/8, D 64/128, 768/4352 keys: the best had 8-16 splits, 128-key steps and
 # 4 warps; 2 programs per SM with at most 16 splits lands there (4 per SM, 32 splits and 64-key
-# steps, the first guess, were 14-24% slower).
+# steps, the first guess, were 12-24% slower than the best swept).
 PROGRAMS_PER_SM = 2
 
 
