@@ -12,6 +12,19 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).norm() / e.norm().clamp_min(1e-30)).item()
 
 
+def check_close(name: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    """got has no NaN (an element a kernel did not write reads NaN from the poisoned outputs) and
+    is within ``tol`` relative error of want; where want is analytically zero (e.g. dq and dS
+    with a single key), where a relative error means nothing, every |got| <= 1e-4."""
+    assert not torch.isnan(got).any(), f"{name}: NaN (an element the kernel did not write?)"
+    if want.abs().max() < 1e-9:
+        worst = got.abs().max().item()
+        assert worst <= 1e-4, f"{name}: expected zeros, got |x| up to {worst:.3g}"
+        return
+    err = rel_err(got, want)
+    assert err <= tol, f"{name}: rel_err {err:.3g} > {tol:.1g}"
+
+
 def op_listing(gm) -> str:
     """A compact, version-stable listing of an FX graph: one line per node, inputs as #index.
 

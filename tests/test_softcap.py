@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from helpers import DEVICE, rel_err, rewrite_aot_eager
+from helpers import DEVICE, check_close, rel_err, rewrite_aot_eager
 
 import fuse_plugin  # noqa: F401  (registers the ops)
 from fuse_plugin.kernels import attention as attn
@@ -55,16 +55,6 @@ def make_bias(kind, B, Hq, Lq, Lk):
     return keep
 
 
-def check(name, got, want, tol):
-    assert not torch.isnan(got).any(), f"{name}: NaN (an element the kernel did not write?)"
-    if want.abs().max() < 1e-9:  # analytically zero (dq, dS with a single key): rounding only
-        worst = got.abs().max().item()
-        assert worst <= 1e-4, f"{name}: expected zeros, got |x| up to {worst:.3g}"
-        return
-    err = rel_err(got, want)
-    assert err <= tol, f"{name}: rel_err {err:.3g} > {tol:.1g}"
-
-
 KERNEL_CASES = {
     # name: (B, Hq, Hkv, Lq, Lk, D, causal, bias, softcap, scale, config, deterministic)
     "gqa-causal-floatbias-dbias-lq17-lk33": (2, 4, 2, 17, 33, 16, True, "float", 5.0, None, (16, 16, 4, 1), False),
@@ -97,18 +87,18 @@ def test_kernels_vs_float64(case, poisoned):
     b4 = bias.expand(B, Hq, Lq, Lk) if bias is not None else None
     out, lse = attn.attention_forward(q, k, v, b4, is_causal=causal, scale=scale, config=cfg,
                                       softcap=softcap)
-    check("out", out, want, 1e-5)
+    check_close("out", out, want, 1e-5)
     rb4 = ref_bias.detach().expand(B, Hq, Lq, Lk) if bias is not None else None
     _, want_lse = reference.attention_forward(*(t.detach() for t in leaves), rb4, causal, scale, softcap=softcap)
-    check("lse", lse, want_lse, 1e-5)
+    check_close("lse", lse, want_lse, 1e-5)
     need_dbias = bias_kind == "float"
     dq, dk, dv, ds = attn.attention_backward(dout, q, k, v, b4, out, lse, is_causal=causal,
                                              scale=scale, need_dbias=need_dbias, config=cfg,
                                              deterministic=deterministic, softcap=softcap)
     for name, got, leaf in (("dq", dq, leaves[0]), ("dk", dk, leaves[1]), ("dv", dv, leaves[2])):
-        check(name, got, leaf.grad, 1e-5)
+        check_close(name, got, leaf.grad, 1e-5)
     if need_dbias:
-        check("dbias", ds.sum(1, keepdim=True), ref_bias.grad, 1e-5)
+        check_close("dbias", ds.sum(1, keepdim=True), ref_bias.grad, 1e-5)
 
 
 @triton.jit
