@@ -76,7 +76,7 @@ def summary(gm: fx.GraphModule) -> dict:
     """Kernels launched (name, clones), opaque ops left, and whether outputs are kernel results."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    launches, opaque, cloned_inputs, direct_descriptor_reads, copies = [], [], [], [], []
+    launches, opaque, cloned_inputs, direct_descriptor_reads, copies, cudnn = [], [], [], [], [], []
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -99,6 +99,8 @@ def summary(gm: fx.GraphModule) -> dict:
                     cloned_inputs.append(f"{name}.{c}")
         elif str(n.target).startswith("fuse_plugin."):
             opaque.append(str(n.target))
+        elif "cudnn_attention" in str(n.target):  # kernels/attention_cudnn.py
+            cudnn.append(str(n.target).split(".")[1])
         elif n.target is torch.ops.aten.clone.default or (
                 n.target is torch.ops.aten._to_copy.default  # a copy, not a cast
                 and n.kwargs.get("dtype") in (None, n.args[0].meta["val"].dtype)):
@@ -109,7 +111,7 @@ def summary(gm: fx.GraphModule) -> dict:
                      and a.target is torch.ops.aten.empty.memory_format]
     return dict(launches=launches, opaque=opaque, cloned_inputs=cloned_inputs,
                 empty_outputs=empty_outputs, direct_descriptor_reads=direct_descriptor_reads,
-                copies=copies)
+                copies=copies, cudnn=cudnn)
 
 
 def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
@@ -260,7 +262,35 @@ def head_merge_case(L: int) -> dict:
     return summary(trace(fn, qkv, dmerged))
 
 
+@contextlib.contextmanager
+def cudnn_available():
+    """cuDNN present, as on the H100 (a CPU build of torch has none): the cuDNN family may run."""
+    with mock.patch.object(torch.backends.cudnn, "is_available", lambda: True):
+        yield
+
+
+CUDNN_CASES = {
+    # plain, long enough for both directions (GQA, causal); the forward's q is contiguous, so its
+    # output is copied into the op's layout once
+    "cudnn": lambda: attention_case(2, 16, 4, 1024, 64),
+    # ViT's length: our forward, cuDNN's backward
+    "cudnn_bwd": lambda: attention_case(2, 6, 6, 197, 64, is_causal=False),
+    # what cuDNN does not take: a bias, dropout, D 256, Lq != Lk with causal; and switched off
+    "cudnn_refused_bias": lambda: attention_case(1, 4, 4, 1024, 64, mask="float", is_causal=False),
+    "cudnn_refused_dropout": lambda: attention_case(1, 4, 4, 1024, 64, p=0.1),
+    "cudnn_refused_d256": lambda: attention_case(1, 4, 4, 1024, 256),
+}
+
+
 def run_case(name: str) -> dict:
+    if name in CUDNN_CASES or name in ("cudnn_off", "head_merge_cudnn"):
+        with fake_h100(), cudnn_available():
+            if name == "head_merge_cudnn":
+                return head_merge_case(200)
+            if name == "cudnn_off":
+                with mock.patch.object(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False):
+                    return summary(CUDNN_CASES["cudnn"]())
+            return summary(CUDNN_CASES[name]())
     with fake_h100():
         if name in ("head_merge", "head_merge_tma"):  # TMA: 4000 tokens, over the threshold
             return head_merge_case(200 if name == "head_merge" else 4000)
@@ -328,7 +358,8 @@ if __name__ == "__main__":
     names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small",
                              "d64_n2000_cudagraphs", "chained_tma", "head_merge",
                              "head_merge_tma", "untraceable",
-                             "disabled", "export", "symbolic"]
+                             "disabled", "export", "symbolic", *CUDNN_CASES, "cudnn_off",
+                             "head_merge_cudnn"]
     for name in names:
         try:
             result = run_case(name)

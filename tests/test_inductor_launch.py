@@ -97,6 +97,33 @@ def test_head_merge_is_a_view(traced):
     assert len(tma["copies"]) == 1
 
 
+CUDNN_FWD, CUDNN_BWD = "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"
+
+
+@pytest.mark.parametrize("name, launches, cudnn", [
+    ("cudnn", [], [CUDNN_FWD, CUDNN_BWD]),  # 1024 tokens: cuDNN both ways
+    ("cudnn_bwd", [FWD], [CUDNN_BWD]),  # 197 tokens: our forward (faster there), cuDNN's backward
+    ("cudnn_refused_bias", [FWD, PRE, ATOMIC], []),
+    ("cudnn_refused_dropout", [FWD, PRE, ATOMIC], []),
+    ("cudnn_refused_d256", [FWD, PRE, "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"], []),
+    ("cudnn_off", [FWD, PRE, ATOMIC], []),  # torch.backends.cuda.enable_cudnn_sdp(False)
+])
+def test_cudnn_family_where_it_wins(traced, name, launches, cudnn):
+    """kernels/attention_cudnn.py: with cuDNN present (as on the H100), a plain problem long
+    enough takes cuDNN's attention as graph nodes Inductor calls directly (nothing opaque of
+    ours), the backward fed our forward's out and lse; a bias, dropout, a head dim over 128 or
+    the user's switch keep our kernels."""
+    case = traced[name]
+    assert_fully_traced(case)
+    assert kernels(case) == launches
+    assert case["cudnn"] == cudnn
+    # a contiguous q gives cuDNN's output that layout: one copy into the op's (B, L, H, D)
+    assert len(case["copies"]) == (1 if CUDNN_FWD in cudnn else 0)
+    merge = traced["head_merge_cudnn"]  # a model's q (a view of the projection): no copy at all
+    assert_fully_traced(merge)
+    assert merge["cudnn"] == [CUDNN_BWD] and merge["copies"] == []
+
+
 def test_each_launch_writes_only_its_outputs(traced):
     """What Inductor's Triton-IR analysis finds each kernel writes (and so clones, then re-uses
     in place): the outputs and scratch buffers, never q/k/v or a mask."""

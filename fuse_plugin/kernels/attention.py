@@ -21,8 +21,13 @@ Shapes and layouts
   transposed view, see ``out_layout``), ``lse`` (B, Hq, Lq) fp32 contiguous (natural-log
   logsumexp of the scaled, biased, masked scores of each row). ``dout`` is read through its
   strides (unit last stride).
-* Backward: ``dq``/``dk``/``dv`` contiguous, shaped/typed as q/k/v; optional ``dbias`` is the
-  fp32 (B, Hq, Lq, Lk) gradient dS of the scores (the caller reduces it to the bias's shape).
+* Backward: ``dq``/``dk``/``dv`` contiguous, shaped/typed as q/k/v (traced cuDNN backward:
+  in q's / k's / v's layout, below); optional ``dbias`` is the fp32 (B, Hq, Lq, Lk) gradient dS
+  of the scores (the caller reduces it to the bias's shape).
+* cuDNN: plain problems where cuDNN's fused attention was measured faster than these kernels
+  (no bias, dropout, softcap, replace or rope; fp16/bf16, D <= 128, sm 90; forward from 512
+  tokens, backward from 160, fed our out and lse) run it instead (attention_cudnn.py), unless
+  a config is given.
 * Dropout (``dropout_p > 0``, ``dropout_seed`` one int64 on the device): each weight P[b,h,i,j]
   is kept iff its 16 bits of a Philox-4x32-10 draw keyed by the seed (counter (j // 8, i,
   b*Hq + h, 0), ``_dropout_keep``) reach floor(p * 2**16); kept weights are scaled by the inverse
@@ -130,6 +135,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from . import attention_cudnn
 from . import attention_bwd_gluon as gluon_bwd
 from . import attention_fwd_gluon as gluon_fwd
 from .launch import (Desc, aligned16, descriptors_traceable, is_tracing, launch,
@@ -682,6 +688,15 @@ DECODE_MAX_LQ = 16
 DECODE_MIN_LK = 256
 
 
+def _cudnn_family(direction: str, q, k, v, bias, **flags) -> bool:
+    """Does cuDNN's attention run this call (attention_cudnn.py: plain problems where it was
+    measured faster than our kernels)? Never for a user-given config."""
+    if q.device.type != "cuda":
+        return False
+    return attention_cudnn.family(direction, q, k, v, bias, capability=_capability(q.device),
+                                  **flags) == "cudnn"
+
+
 def _forward_family(Lq: int, Lk: int, user_config: bool, rope: bool, dropout: bool,
                     softcap: bool, replace: bool = False) -> str:
     """Which forward kernel family a call runs: "decode" (attention_decode.py: flash-decoding,
@@ -710,6 +725,11 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if config is None and B * Hq and _cudnn_family(
+            "fwd", q, k, v, bias, is_causal=is_causal, dropout=dropout_p != 0.0, softcap=softcap != 0.0,
+            replace=replace is not None, rope=rope is not None):
+        o, lse = attention_cudnn.forward(q, k, v, is_causal, scale)
+        return out_layout(o), lse
     # The output buffer, (B, Lq, Hq, Dv) (see ``out_layout``): the general kernel writes it
     # through the strides of its transpose; the TMA and Gluon kernels write a contiguous
     # (B, Hq, Lq, Dv) tensor, copied into this layout (the copy the model's head merge would
@@ -833,6 +853,13 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         raise ValueError("dout/out/lse shapes do not match q and v")
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
+    if config is None and B * Hq and _cudnn_family(
+            "bwd", q, k, v, bias, is_causal=is_causal, dropout=dropout_p != 0.0, softcap=softcap != 0.0,
+            replace=replace is not None, rope=rope is not None, need_dbias=need_dbias,
+            deterministic=deterministic):
+        grads = attention_cudnn.backward(dout, q, k, v, out, lse, is_causal, scale)
+        # traced: the graph holds cuDNN's layouts; eager: contiguous, as the op's fake says
+        return (*(grads if is_tracing() else map(_contiguous, grads)), None)
     dev = q.device
     if B * Hq == 0:
         return (_empty((B, Hq, Lq, D), q.dtype, dev), _empty((B, Hkv, Lk, D), k.dtype, dev),

@@ -1,0 +1,131 @@
+"""cuDNN's attention as a family of the op (kernels/attention_cudnn.py).
+
+Which calls it takes is checked everywhere (fake CUDA tensors, cuDNN and an H100 pretended);
+what it computes needs a GPU with cuDNN (skipped elsewhere, saying so): the op's forward and
+backward against a float64 reference where the family runs, the gradients' layouts in eager.
+How compiled graphs take it: tests/test_inductor_launch.py (``cudnn*`` cases).
+"""
+import pytest
+import torch
+from helpers import check_close
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fuse_plugin  # noqa: F401  (registers the ops)
+from fuse_plugin.kernels import attention_cudnn as cudnn
+
+H100 = (9, 0)
+
+
+def fake_qkv(B=2, Hq=8, Hkv=2, Lq=1024, Lk=1024, D=64, Dv=None, dtype=torch.bfloat16):
+    with FakeTensorMode():
+        q = torch.empty(B, Hq, Lq, D, device="cuda", dtype=dtype)
+        k = torch.empty(B, Hkv, Lk, D, device="cuda", dtype=dtype)
+        v = torch.empty(B, Hkv, Lk, Dv or D, device="cuda", dtype=dtype)
+    return q, k, v
+
+
+@pytest.fixture
+def with_cudnn(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+
+
+def test_plain_problems_take_it(with_cudnn):
+    q, k, v = fake_qkv()
+    assert cudnn.why_not(q, k, v, None, is_causal=True, capability=H100) is None
+    assert cudnn.family("fwd", q, k, v, None, is_causal=True, capability=H100) == "cudnn"
+    assert cudnn.family("bwd", q, k, v, None, is_causal=True, capability=H100) == "cudnn"
+
+
+@pytest.mark.parametrize("Lq, fwd, bwd", [(197, None, "cudnn"), (128, None, None), (512, "cudnn", "cudnn")])
+def test_lengths_where_it_wins(with_cudnn, Lq, fwd, bwd):
+    q, k, v = fake_qkv(Lq=Lq, Lk=Lq)
+    assert cudnn.family("fwd", q, k, v, None, is_causal=False, capability=H100) == fwd
+    assert cudnn.family("bwd", q, k, v, None, is_causal=False, capability=H100) == bwd
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(capability=(8, 0)), "measured on sm 90 only"),
+    (dict(dtype=torch.float32), "torch.float32"),
+    (dict(D=256), "head dims 256/256"),
+    (dict(D=72, Dv=64), "head dims 72/64"),
+    (dict(bias=True), "a bias"),
+    (dict(dropout=True), "dropout"),
+    (dict(softcap=True), "softcap"),
+    (dict(replace=True), "a replace mask"),
+    (dict(rope=True), "rope"),
+    (dict(need_dbias=True), "dbias"),
+    (dict(deterministic=True), "deterministic mode"),
+    (dict(Lq=1000), "causal with Lq != Lk"),
+])
+def test_what_it_does_not_take(with_cudnn, change, reason):
+    shape = {key: change.pop(key) for key in ("dtype", "D", "Dv", "Lq") if key in change}
+    q, k, v = fake_qkv(**shape)
+    bias = q.new_empty(()) if change.pop("bias", False) else None
+    flags = {"is_causal": True, "capability": H100, **change}
+    assert cudnn.why_not(q, k, v, bias, **flags) == reason
+    assert cudnn.family("bwd", q, k, v, bias, **flags) is None
+
+
+def test_switched_off_or_absent(monkeypatch):
+    q, k, v = fake_qkv()
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
+    assert "disabled" in cudnn.why_not(q, k, v, None, is_causal=True, capability=H100)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    assert cudnn.why_not(q, k, v, None, is_causal=True, capability=H100) == "no cuDNN"
+    cpu = torch.empty(1, 2, 600, 64, dtype=torch.bfloat16)
+    assert cudnn.why_not(cpu, cpu, cpu, None, is_causal=True, capability=H100) == "not on CUDA"
+
+
+def _gpu_family_ready() -> bool:
+    from fuse_plugin.kernels import attention as attn
+
+    return (torch.cuda.is_available() and torch.backends.cudnn.is_available()
+            and attn._capability(torch.device("cuda")) == cudnn.CAPABILITY)
+
+
+gpu = pytest.mark.skipif(not _gpu_family_ready(),
+                         reason="needs an sm 90 GPU with cuDNN: the only place the family runs")
+
+
+def reference(q, k, v, is_causal, scale, dout):
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    s = q64 @ k64.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    if is_causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), float("-inf"))
+    out = s.softmax(-1) @ v64.repeat_interleave(g, 1)
+    out.backward(dout.double())
+    return out, q64.grad, k64.grad, v64.grad
+
+
+@gpu
+@pytest.mark.parametrize("B, Hq, Hkv, L, D, causal, which", [
+    (2, 6, 6, 197, 64, False, "bwd"),  # ViT: our forward, cuDNN's backward
+    (1, 8, 2, 1024, 128, True, "both"),  # GQA, causal
+    (2, 4, 4, 1000, 96, False, "both"),
+])
+def test_op_matches_reference(monkeypatch, B, Hq, Hkv, L, D, causal, which):
+    calls = []
+    for name in ("forward", "backward"):
+        real = getattr(cudnn, name)
+        monkeypatch.setattr(cudnn, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    torch.manual_seed(0)
+    q = torch.randn(B, L, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_(True)
+    k, v = (torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_(True)
+            for _ in range(2))
+    scale = D ** -0.5
+    out, lse = torch.ops.fuse_plugin.attention(q, k, v, None, 0.0, causal, scale)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert calls == (["backward"] if which == "bwd" else ["forward", "backward"])
+    assert out.transpose(1, 2).is_contiguous()  # the op's layout, whichever family
+    with torch.no_grad():
+        grads = torch.ops.fuse_plugin.attention_backward(dout, q, k, v, None, out, lse, 0.0, causal, scale,
+                                                         None, False)
+    assert all(g.is_contiguous() for g in grads[:3])  # eager: as the op's fake says
+    ref = reference(q, k, v, causal, scale, dout)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), ref):
+        check_close(name, got, want, 1e-2)
