@@ -119,7 +119,12 @@ class CountingBackend:
     def __call__(self, gm, example_inputs, **kwargs):
         before = counters["fuse_plugin"]["attention"]
         compiled = fuse_plugin_backend(gm, example_inputs, **kwargs)
-        self.graphs.append(counters["fuse_plugin"]["attention"] - before)
+        fused = counters["fuse_plugin"]["attention"] - before
+        # a graph with symbolic sizes keeps our ops opaque (ops/inductor.py): marked "(dynamic)"
+        values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+        dynamic = any(isinstance(v, torch.SymInt) or isinstance(v, torch.Tensor)
+                      and any(isinstance(s, torch.SymInt) for s in v.shape) for v in values)
+        self.graphs.append(f"{fused} (dynamic)" if dynamic else fused)
         return compiled
 
 
@@ -358,6 +363,11 @@ def main(argv=None):
     # The cells of a row all compile LlamaForCausalLM.forward (one code object): 2 graphs per cell.
     knob = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
     setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    # Dynamo's automatic dynamic shapes are per code object: once an earlier cell compiled the
+    # prefill (L = prompt) and the decode step (L = 1), every later cell's prefill would compile
+    # with a symbolic length (stop 17: the plugin's prefill ops were then opaque, ~0.4 ms a call).
+    # A process generating at one prompt length, as each cell models, compiles both static.
+    torch._dynamo.config.automatic_dynamic_shapes = False
     results: dict = {}
     t_start = time.perf_counter()
     for name in args.models.split(","):
