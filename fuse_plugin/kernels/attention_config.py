@@ -106,41 +106,41 @@ def _d_parts(d: int, split: bool) -> tuple[int, int]:
     return p, 0
 
 
-def _forward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
-    """Heuristic forward tiles (a table miss): known-good sm_90 choices that also fit GPUs with
-    less shared memory after ``_fit_smem``. fp32 has its own rows: with ieee precision its dots
-    run on FMA units with register-held operands and need smaller tiles."""
+# Heuristic tiles (a table miss) as (block_m, block_n, warps, stages), by the largest head-dim
+# block they serve (D and Dv rounded up to a power of two). fp32 has its own rows: with ieee
+# precision its dots run on FMA units with register-held operands and need smaller tiles. The
+# 16-bit rows at D <= 128 are the general kernels' tuned winners at D 64 and 128 (H100, tune
+# --plan full, stop 9), also what a TMA / Gluon table entry falls back to for dropout, rope or a
+# bias; ``_fit_smem`` trims them on GPUs with less shared memory.
+_HEURISTIC_TILES = {
+    # the forward
+    "fwd": {torch.float32: {64: (64, 32, 8, 2), 128: (32, 64, 8, 2), 256: (32, 32, 8, 1)},
+            None: {128: (64, 64, 4, 3), 256: (128, 32, 8, 2)}},
+    # the atomic backward: block_n keys stay resident with two fp32 block_n x D accumulators,
+    # so large head dims get fewer keys per program
+    "bwd": {torch.float32: {64: (32, 32, 8, 1), 128: (16, 32, 4, 1), 256: (16, 32, 8, 1)},
+            None: {128: (64, 128, 8, 2), 256: (32, 64, 8, 1)}},
+}
+
+
+def _heuristic_config(kind: str, D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
+    """``_HEURISTIC_TILES``'s row for this problem; 16-bit rows split D where it is not a power
+    of two (``_d_parts``)."""
     d = max(_block_d(D), _block_d(Dv))
-    if dtype == torch.float32:
-        if d <= 64:
-            return AttentionConfig(64, 32, 8, 2)
-        if d <= 128:
-            return AttentionConfig(32, 64, 8, 2)
-        return AttentionConfig(32, 32, 8, 1)
-    split = _d_parts(max(D, Dv), True)[1] != 0
-    if d <= 128:
-        # The general kernel's tuned winner at D 64 and 128 (H100, tune --plan full, stop 9):
-        # also what a TMA table entry falls back to for dropout / rope problems.
-        return AttentionConfig(64, 64, 4, 3, split)
-    return AttentionConfig(128, 32, 8, 2, split)
+    fp32 = dtype == torch.float32
+    tiles = _HEURISTIC_TILES[kind][torch.float32 if fp32 else None]
+    row = tiles[min(b for b in tiles if d <= b)]
+    return AttentionConfig(*row) if fp32 else AttentionConfig(*row, _d_parts(max(D, Dv), True)[1] != 0)
+
+
+def _forward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
+    """Heuristic forward tiles (a table miss)."""
+    return _heuristic_config("fwd", D, Dv, dtype)
 
 
 def _backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
-    """Heuristic tiles of the atomic backward (a table miss). block_n keys stay resident with two
-    fp32 block_n x D accumulators, so large head dims get fewer keys per program."""
-    d = max(_block_d(D), _block_d(Dv))
-    if dtype == torch.float32:
-        if d <= 64:
-            return AttentionConfig(32, 32, 8, 1)
-        if d <= 128:
-            return AttentionConfig(16, 32, 4, 1)
-        return AttentionConfig(16, 32, 8, 1)
-    split = _d_parts(max(D, Dv), True)[1] != 0
-    if d <= 128:
-        # The general kernel's tuned winner at D 64 and 128 (H100, stop 9; also what a Gluon/TMA
-        # table entry falls back to for dropout or a bias); _fit_smem trims it elsewhere.
-        return AttentionConfig(64, 128, 8, 2, split)
-    return AttentionConfig(32, 64, 8, 1, split)
+    """Heuristic tiles of the atomic backward (a table miss)."""
+    return _heuristic_config("bwd", D, Dv, dtype)
 
 
 def _deterministic_backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
