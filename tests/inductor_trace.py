@@ -230,6 +230,9 @@ CASES = {
     "replace_mask": lambda: attention_case(1, 4, 4, 300, 128, mask="float", need_dbias=True,
                                            is_causal=False, replace=True),
     "dropout": lambda: attention_case(1, 4, 4, 129, 64, p=0.1),
+    # BERT's attention (128 tokens: one key block): the one-launch backward
+    "one_key_block": lambda: attention_case(32, 12, 12, 128, 64, mask="bool", p=0.1,
+                                            is_causal=False),
     "d80": lambda: attention_case(1, 4, 4, 200, 80),
     "fp32": lambda: attention_case(1, 2, 2, 100, 64, dtype=torch.float32),
     "rope_attention": rope_attention_case,

@@ -239,6 +239,56 @@ def test_masked_and_finfo_min_rows(dtype):
              bias="float_11", need_dbias=True, config=(16, 16, 4, 1), edit_bias=edit)
 
 
+# The one-launch backward (ONE_KEY_BLOCK): every key in one block, no preprocess kernel, dQ
+# stored by the kernel. Edge rows as above (a -inf row, a finfo.min row whose exact statistics
+# the kernel takes from its own tile, a bool-masked dead row), partial and exact blocks.
+def _finfo_rows(dtype):
+    def edit(bias):
+        bias = bias.clone()
+        bias[0, 0, 3, :] = NEG_INF
+        bias[0, 1, 5, :] = torch.finfo(dtype).min
+        return bias
+    return edit
+
+
+def _bool_dead_row(bias):
+    bias = bias.clone()
+    bias[0, 1, 7, :] = False
+    return bias
+
+
+ONE_BLOCK_CASES = {
+    "fp32-floatbias-finfo-rows-dbias": dict(
+        dtype=torch.float32, B=1, Hq=2, Hkv=1, Lq=40, Lk=33, D=16, Dv=16, causal=False,
+        bias="float_11", need_dbias=True, config_bwd=(16, 64, 4, 1),
+        edit_bias=_finfo_rows(torch.float32)),
+    "bf16-floatbias-finfo-rows": dict(
+        dtype=torch.bfloat16, B=1, Hq=2, Hkv=1, Lq=17, Lk=32, D=32, Dv=32, causal=False,
+        bias="float_b1", config_bwd=(16, 32, 4, 1), edit_bias=_finfo_rows(torch.bfloat16)),
+    "fp16-causal-booldead-gqa-transposed": dict(
+        dtype=torch.float16, B=2, Hq=4, Hkv=2, Lq=33, Lk=33, D=16, Dv=32, causal=True,
+        bias="bool_b1q", transposed=True, config_bwd=(16, 64, 4, 1), edit_bias=_bool_dead_row),
+    "bf16-split-d80-causal-lq-gt-lk": dict(
+        dtype=torch.bfloat16, B=1, Hq=2, Hkv=2, Lq=45, Lk=20, D=80, Dv=80, causal=True,
+        bias=None, config_bwd=(16, 32, 4, 1, True)),
+    "fp32-gqa-split-expanded-dout": dict(
+        dtype=torch.float32, B=1, Hq=8, Hkv=2, Lq=24, Lk=16, D=32, Dv=16, causal=False,
+        bias=None, dout_kind="expanded", config_bwd=(16, 16, 4, 1), group_split=2),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_BLOCK_CASES.values()), ids=list(ONE_BLOCK_CASES))
+def test_one_key_block_backward(monkeypatch, case):
+    """Lk <= BLOCK_N: one launch of attention_bwd_kernel and nothing else (no preprocess, no dQ
+    cast), gradients against float64."""
+    spies = {n: _LaunchSpy(getattr(attn, n)) for n in (
+        "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_dq_cast_kernel")}
+    for n, spy in spies.items():
+        monkeypatch.setattr(attn, n, spy)
+    run_case(**case)
+    assert [s.launches for s in spies.values()] == [1, 0, 0]
+
+
 def test_bool_bias_dead_row():
     """A bool bias that masks a whole row, with causal on: out NaN, lse -inf, finite grads."""
     def edit(bias):

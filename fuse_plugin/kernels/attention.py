@@ -78,6 +78,10 @@ Speed
 * Backward, default: ONE kernel per key block (``attention_bwd_kernel``) computes dK and dV in
   registers and adds each query block's dQ contribution with fp32 atomics into a zeroed buffer
   (5 matmuls per block pair instead of 7); ``attention_dq_cast_kernel`` scales and casts it.
+  With short keys (Lk <= 128, Lq <= 256, 16-bit, D <= 128: ``_one_key_block_config``) every
+  key is in one block, so each program owns whole dQ rows: the kernel takes the row statistics
+  from out/lse and stores dQ itself (``ONE_KEY_BLOCK``), and the whole backward is one launch
+  (BERT's 128 tokens: 56 vs 63 us on the H100, and two launches fewer on the host).
   The atomics make dQ's summation order vary from run to run, so when
   ``torch.are_deterministic_algorithms_enabled()`` the atomic-free pair
   ``attention_bwd_dkdv_kernel`` + ``attention_bwd_dq_kernel`` runs instead.
@@ -955,28 +959,37 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     one = _qk_parts(D, False, rc)
     W = cos.shape[-1]
 
-    delta = _empty((B, Hq, Lq), torch.float32, dev)
-    row_m = _empty((B, Hq, Lq), torch.float32, dev)
-    row_r = _empty((B, Hq, Lq), torch.float32, dev) if kind == _FLOAT_BIAS else row_m
-    # fp32 dQ accumulator of the atomic path, zeroed by the preprocess kernel.
-    dqa = _empty((B, Hq, Lq, D), torch.float32, dev) if not deterministic else delta
-    pre_m = 64
-    launch(
-        attention_bwd_preprocess_kernel, (_cdiv(Lq, pre_m) * B * Hq,),
-        out, dout, lse, delta, row_m, row_r, q, k, bias_t, rep_t, dqa, cos, sin,
-        *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *sb, *sr, *scq,
-        *sck,
-        Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, cap, ZERO_DQ=not deterministic,
-        SOFTCAP=softcapped, **common,
-        BLOCK_M=pre_m, BLOCK_N=32, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv),
-        D0=one[0], D1=one[1], D2=one[2], **rc,
-        num_warps=4, num_stages=1,
-        writes=("Delta", "RowM") + (("RowR",) if kind == _FLOAT_BIAS else ())
-        + (() if deterministic else ("DQA",)),
-    )
+    stats = {}  # the preprocess kernel's outputs, launched once by the paths that read them
+
+    def preprocess():
+        if stats:
+            return stats["delta"], stats["row_m"], stats["row_r"], stats["dqa"]
+        delta = _empty((B, Hq, Lq), torch.float32, dev)
+        row_m = _empty((B, Hq, Lq), torch.float32, dev)
+        row_r = _empty((B, Hq, Lq), torch.float32, dev) if kind == _FLOAT_BIAS else row_m
+        # fp32 dQ accumulator of the atomic path, zeroed by the preprocess kernel.
+        dqa = _empty((B, Hq, Lq, D), torch.float32, dev) if not deterministic else delta
+        pre_m = 64
+        launch(
+            attention_bwd_preprocess_kernel, (_cdiv(Lq, pre_m) * B * Hq,),
+            out, dout, lse, delta, row_m, row_r, q, k, bias_t, rep_t, dqa, cos, sin,
+            *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *sb, *sr,
+            *scq, *sck,
+            Hq, Hq // Hkv, Lq, Lk, D, Dv, score_scale, cap, ZERO_DQ=not deterministic,
+            SOFTCAP=softcapped, **common,
+            BLOCK_M=pre_m, BLOCK_N=32, BLOCK_D=_block_d(D), BLOCK_DV=_block_d(Dv),
+            D0=one[0], D1=one[1], D2=one[2], **rc,
+            num_warps=4, num_stages=1,
+            writes=("Delta", "RowM") + (("RowR",) if kind == _FLOAT_BIAS else ())
+            + (() if deterministic else ("DQA",)),
+        )
+        stats.update(delta=delta, row_m=row_m, row_r=row_r, dqa=dqa)
+        return delta, row_m, row_r, dqa
+
     ds_t = dbias if need_dbias else q
     ds_strides = dbias.stride() if need_dbias else (0, 0, 0, 0)
     if use_tma_pair:
+        delta, row_m, _, _ = preprocess()
         dk, dv = _launch(lambda c: _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m,
                                                         is_causal, scale, score_scale, c,
                                                         group_split),
@@ -984,6 +997,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         return dq, dk, dv, None
 
     if not deterministic:
+        one_block = False  # the last run took the one-launch form (ONE_KEY_BLOCK)
+
         def run_atomic(cfg):
             nonlocal dk, dv  # replaced by the summed partials when traced (_sum_partials)
             split = group_split or _group_split(B * Hkv * _cdiv(Lk, cfg.block_n), Hq // Hkv, dev)
@@ -998,6 +1013,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                 dk_out, dv_out, dk_strides, dv_strides, split_strides = dk, dv, dk.stride(), dv.stride(), (0, 0)
             if use_tma:
                 bm, bn = cfg.block_m, cfg.block_n
+                delta, row_m, _, dqa = preprocess()
                 launch(
                     attention_bwd_tma_kernel, (_cdiv(Lk, bn) * B * Hkv * split,),
                     _tma_descriptor(q, bm), _tma_descriptor(k, bn), _tma_descriptor(v, bn),
@@ -1014,6 +1030,17 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                 dk, dv = _sum_partials(dk_out, dk), _sum_partials(dv_out, dv)
 
         def run_general(cfg, split, dk_out, dv_out, dk_strides, dv_strides, split_strides):
+            nonlocal one_block
+            # All keys in one block: each program owns its query heads' dQ rows, so the kernel
+            # takes the statistics from out/lse and stores dQ itself (no preprocess, no fp32
+            # buffer, no cast: one launch). Otherwise the preprocess's buffers.
+            one_block = _cdiv(Lk, cfg.block_n) == 1
+            if one_block:
+                delta = row_m = row_r = dqa = lse  # unused
+                dq_out = dq
+            else:
+                delta, row_m, row_r, dqa = preprocess()
+                dq_out = dqa  # unused (a graph keeps no unwritten dq buffer)
             d0, d1, d2 = _qk_parts(D, cfg.split_d, rc)
             dv0, dv1 = _d_parts(Dv, cfg.split_d)
             bm, bn = cfg.block_m, cfg.block_n
@@ -1023,21 +1050,26 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                                  ("v", *v.stride()[2:], bn, dv0 + dv1),
                                  ("dout", *dout.stride()[2:], bm, dv0 + dv1),
                                  ("bias", *sb[2:], bm, bn), ("replace", *sr[2:], bm, bn),
-                                 ("dbias", Lk, 1, bm, bn)]
+                                 ("dbias", Lk, 1, bm, bn), ("out", *out.stride()[2:], bm, dv0 + dv1),
+                                 ("dq", *dq.stride()[2:], bm, dcols)]
                                 + _table_tiles(scq, sck, bm, bn, W))
             launch(
-                attention_bwd_kernel, (_cdiv(Lk, bn) * B * Hkv * split,), q, k, v, bias_t, rep_t, dout, dqa, dk_out, dv_out, ds_t, delta, row_m, row_r, cos, sin,
+                attention_bwd_kernel, (_cdiv(Lk, bn) * B * Hkv * split,), q, k, v, bias_t, rep_t, dout, dqa, dk_out, dv_out, ds_t, delta, row_m, row_r, cos, sin, out, lse, dq_out,
                 *q.stride(), *k.stride(), *v.stride(), *sb, *sr, *dout.stride(), *dk_strides,
-                *dv_strides, *ds_strides, *scq, *sck,
+                *dv_strides, *ds_strides, *scq, *sck, *out.stride(), *lse.stride(), *dq_out.stride(),
                 Hq, Hkv, Hq // Hkv, Lq, Lk, score_scale, scale, seed, drop_thresh, inv_keep,
                 split, *split_strides, cap,
-                D, Dv, NEED_DS=bool(need_dbias), DROPOUT=dropout, SOFTCAP=softcapped, **common,
+                D, Dv, ONE_KEY_BLOCK=one_block, NEED_DS=bool(need_dbias), DROPOUT=dropout,
+                SOFTCAP=softcapped, **common,
                 BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
-                writes=("DQA", "DK", "DV") + (("DS",) if need_dbias else ()),
+                writes=("DQ" if one_block else "DQA", "DK", "DV") + (("DS",) if need_dbias else ()),
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             )
 
         _launch(run_atomic, cfg, user_given, "rope" if rc["ROT"] else None)
+        if one_block:
+            return dq, dk, dv, dbias
+        dqa = stats["dqa"]
         if rc["ROT"]:
             cast_m = 32
             launch(
@@ -1053,6 +1085,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                    num_warps=4, writes=("DQ",))
         return dq, dk, dv, dbias
 
+    delta, row_m, row_r, _ = preprocess()
     bm, bn, bdv = cfg.block_m, cfg.block_n, _block_d(Dv)
     dcols = max(sum(one), D)
     # out/dout/dq are read with BLOCK_M rows, dk/dv with BLOCK_N rows (dbias is contiguous).

@@ -148,6 +148,8 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
               offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm, stride_bn,
               stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
               seed, bh, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn,
+              o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base, stride_dqm,
+              stride_dqd, sm_scale, ONE_KEY_BLOCK: tl.constexpr,
               DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
               D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
@@ -159,16 +161,26 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
     dK += dS^T Q stay in registers; dQ += dS K is added atomically (unscaled; the cast kernel
     applies the softmax scale). With ROT, q (and k) are the rotated tiles, dK/dQ gradients
     w.r.t. them (rotated back at the store / in the cast kernel). With DROPOUT, dV takes the
-    kept weights (1/(1-p) is applied at the store) and dP the kept entries scaled by 1/(1-p)."""
+    kept weights (1/(1-p) is applied at the store) and dP the kept entries scaled by 1/(1-p).
+
+    ONE_KEY_BLOCK (every key in this program's block, so no other program touches these query
+    rows): the row statistics come from O, dO and the lse here instead of the preprocess
+    kernel's buffers (``_row_stats``), and dQ = dS K * scale is stored, in dQ's dtype, instead
+    of added into the fp32 buffer."""
     q0, q1, q2 = _load_qk(q_base, start_m, Lq, stride_qm, stride_qd, cq_base, sq_base,
                           stride_cqm, stride_cqd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
                           BLOCK_M)
     do0, do1 = _load_d(do_base, start_m, Lq, stride_dom, stride_dod, Dv, DV0, DV1, BLOCK_M)
     rows = start_m + offs_m
     row_ok = rows < Lq
-    # Padding query rows get RowM = +inf, hence p = 0 and no contribution (no mask needed).
-    row_m = tl.load(RowM + stat_base + rows, mask=row_ok, other=float("inf"))
-    delta = tl.load(Delta + stat_base + rows, mask=row_ok, other=0.0)
+    if ONE_KEY_BLOCK:
+        delta, live, lse = _row_stats(o_base, stride_om, stride_od, lse_base, stride_lm, do0,
+                                      do1, start_m, Lq, Dv, DV0, DV1, BLOCK_M)
+        row_m = tl.where(live, lse * _LOG2E, float("inf"))  # log2 units (no float bias)
+    else:
+        # Padding query rows get RowM = +inf, hence p = 0 and no contribution (no mask needed).
+        row_m = tl.load(RowM + stat_base + rows, mask=row_ok, other=float("inf"))
+        delta = tl.load(Delta + stat_base + rows, mask=row_ok, other=0.0)
 
     qk_t = _dot_nt(k0, k1, k2, q0, q1, q2, D1, D2, PRECISION, UPCAST_DOT)
     if BIAS_KIND == 0 and not (MASK or SOFTCAP):  # (two operands: Triton 3.6 refuses chains)
@@ -176,14 +188,27 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
         t_t = qk_t  # unused
         rep_t = 0  # unused
     else:
-        if BIAS_KIND == 2:
-            row_r = tl.load(RowR + stat_base + rows, mask=row_ok, other=0.0)
-        else:
-            row_r = row_m  # unused
         s_t, t_t, rep_t = _capped_scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None],
                                          Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
                                          stride_rm, stride_rn, score_scale, cap, IS_CAUSAL,
                                          BIAS_KIND, MASK, SOFTCAP, HAS_REPLACE)
+        if BIAS_KIND == 2 and ONE_KEY_BLOCK:
+            # Natural units, as the preprocess: RowM = lse, RowR = 0; where the lse lost
+            # precision (|lse| > _LSE_EXACT_LIMIT in this block), the rows' exact max and log2
+            # sum, taken from this tile, which holds each row's every score.
+            worst = tl.max(tl.where(live, tl.abs(lse), 0.0), 0)
+            if worst > _LSE_EXACT_LIMIT:
+                m = tl.max(s_t, 0)
+                row_m = tl.where(live & (m > float("-inf")), m, float("inf"))
+                l_t = tl.sum(tl.exp2((s_t - row_m[None, :]) * _LOG2E), 0)
+                row_r = tl.where(row_m < float("inf"), tl.log2(l_t), 0.0)
+            else:
+                row_m = tl.where(live, lse, float("inf"))
+                row_r = tl.zeros_like(row_m)
+        elif BIAS_KIND == 2:
+            row_r = tl.load(RowR + stat_base + rows, mask=row_ok, other=0.0)
+        else:
+            row_r = row_m  # unused
         p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
     if DROPOUT:
         keep = _dropout_keep(seed, bh, start_m, start_n, offs_m, offs_n, drop_thresh, True)
@@ -213,14 +238,43 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
         dk1 = _dot_acc(dsc, q1, dk1, PRECISION, UPCAST_DOT)
     if D2 != 0:
         dk2 = _dot_acc(dsc, q2, dk2, PRECISION, UPCAST_DOT)
-    _atomic_add_dq(dq_base, tl.trans(dsc), k0, k1, k2, start_m, Lq, D, D0, D1, D2, ROT,
-                   PRECISION, UPCAST_DOT, BLOCK_M)
+    if ONE_KEY_BLOCK:
+        ds_q = tl.trans(dsc)
+        g0 = _dot(ds_q, k0, PRECISION, UPCAST_DOT) * sm_scale
+        g1, g2 = g0, g0  # absent parts alias the first (never stored)
+        if D1 != 0:
+            g1 = _dot(ds_q, k1, PRECISION, UPCAST_DOT) * sm_scale
+        if D2 != 0:
+            g2 = _dot(ds_q, k2, PRECISION, UPCAST_DOT) * sm_scale
+        _store_grad(dq_out_base, g0, g1, g2, start_m, Lq, stride_dqm, stride_dqd, cq_base,
+                    sq_base, stride_cqm, stride_cqd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
+                    BLOCK_M)
+    else:
+        _atomic_add_dq(dq_base, tl.trans(dsc), k0, k1, k2, start_m, Lq, D, D0, D1, D2, ROT,
+                       PRECISION, UPCAST_DOT, BLOCK_M)
     return dk0, dk1, dk2, dv0, dv1
 
 
 @triton.jit
+def _row_stats(o_base, stride_om, stride_od, lse_base, stride_lm, do0, do1, start_m, Lq,
+               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(delta, live, lse)`` of the query rows at ``start_m``: Delta = rowsum(dO * O) as the
+    preprocess kernel stores it (0 for dead rows, whose O is NaN), live = the lse is finite,
+    and the lse itself (-inf for padding rows)."""
+    rows = start_m + tl.arange(0, BLOCK_M)
+    o0, o1 = _load_d(o_base, start_m, Lq, stride_om, stride_od, Dv, DV0, DV1, BLOCK_M)
+    delta = tl.sum(o0.to(tl.float32) * do0.to(tl.float32), 1)
+    if DV1 != 0:
+        delta += tl.sum(o1.to(tl.float32) * do1.to(tl.float32), 1)
+    lse = tl.load(lse_base + rows.to(tl.int64) * stride_lm, mask=rows < Lq, other=float("-inf"))
+    live = lse != float("-inf")
+    delta = tl.where(live, delta, 0.0)
+    return delta, live, lse
+
+
+@triton.jit
 def attention_bwd_kernel(
-    Q, K, V, Bias, Rep, DO, DQA, DK, DV, DS, Delta, RowM, RowR, Cos, Sin,
+    Q, K, V, Bias, Rep, DO, DQA, DK, DV, DS, Delta, RowM, RowR, Cos, Sin, Out, Lse, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -232,9 +286,12 @@ def attention_bwd_kernel(
     stride_dsb, stride_dsh, stride_dsm, stride_dsn,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale,
     Seed, drop_thresh, inv_keep, group_split, split_stride_dk, split_stride_dv, cap,
-    D: tl.constexpr, Dv: tl.constexpr,
+    D: tl.constexpr, Dv: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
     DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -249,7 +306,12 @@ def attention_bwd_kernel(
 
     With ``group_split`` > 1 the GQA group's query heads are shared out over that many programs
     (more programs when B * Hkv * key blocks is too few for the GPU); each writes its partial
-    dK/dV at DK/DV + split * split_stride_dk/dv (fp32 buffers the launcher sums)."""
+    dK/dV at DK/DV + split * split_stride_dk/dv (fp32 buffers the launcher sums).
+
+    ONE_KEY_BLOCK (Lk <= BLOCK_N: one key block, so each program owns whole rows of dQ): no
+    preprocess kernel and no fp32 buffer. The statistics come from Out/Lse ((B, Hq, Lq, Dv) and
+    (B, Hq, Lq), any strides) and dQ is stored into DQ ((B, Hq, Lq, D), q's dtype): the whole
+    backward is this one launch (Delta/RowM/RowR/DQA are then unused)."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
     score_scale, sm_scale, inv_keep, cap = (
         tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
@@ -288,6 +350,9 @@ def attention_bwd_kernel(
         cq_base = Cos + b * stride_cqb + h * stride_cqh
         sq_base = Sin + b * stride_cqb + h * stride_cqh
         stat_base = (b * Hq + h) * Lq
+        o_base = Out + b * stride_ob + h * stride_oh
+        lse_base = Lse + b * stride_lb + h * stride_lh
+        dq_out_base = DQ + b * stride_dqb + h * stride_dqh
         if NEED_DS:
             # Key block hidden from query blocks [0, lo) by the causal mask: dS = 0 there.
             zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -302,8 +367,9 @@ def attention_bwd_kernel(
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
                 offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
                 stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
-                seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn, DROPOUT,
-                SOFTCAP, HAS_REPLACE,
+                seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn,
+                o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base, stride_dqm,
+                stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
@@ -315,8 +381,9 @@ def attention_bwd_kernel(
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
                 offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
                 stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
-                seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn, DROPOUT,
-                SOFTCAP, HAS_REPLACE,
+                seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn,
+                o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base, stride_dqm,
+                stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, False, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
 
