@@ -25,6 +25,7 @@ A training step is forward, cross-entropy, backward and a fused AdamW step; infe
 under no_grad. Each row and mode runs in one go: every variant gets its own model and compile
 (3 warm-up steps), then ``--rounds`` rounds in which the variants take turns, each running
 ``--steps`` timed steps synchronised once (the host may run ahead of the GPU, as in a real loop).
+The garbage collector is off inside a timed run (collected between runs, as timeit does).
 A cell is the median of its rounds (the best in brackets): the host of the device machine drifts
 by 10-30% over minutes, and interleaving puts that drift on every variant alike (variants
 measured one after another, minutes apart, disagreed with each other by that much: RESULTS.md,
@@ -204,11 +205,20 @@ def make_step(fn, kind, inputs, labels, opt, cudagraphs):
 
 
 def _timed_run(step, steps: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    """Wall seconds of ``steps`` steps, synchronised once, with Python's garbage collector off
+    (as timeit does): a collection of the process's millions of objects (every variant's model
+    and compiled graphs) takes tens of ms and lands at random in one variant's round, which
+    spread host-bound cells by up to 50% (stop 17's bert-train rounds). Collected after."""
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+        gc.collect()
 
 
 def _variant_context(variant):
