@@ -37,6 +37,24 @@ from .attention_tiles import (
 
 
 @triton.jit
+def _row_stats(o_base, stride_om, stride_od, lse_base, stride_lm, do0, do1, start_m, Lq,
+               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(delta, live, lse)`` of the query rows at ``start_m``: Delta = rowsum(dO * O) as the
+    preprocess kernel stores it, live = the lse is finite, and the lse itself (-inf for padding
+    rows). Dead (fully masked) rows have O = NaN; their p is 0 in the backward, so only a finite
+    delta (0) is needed to keep 0 * (dp - delta) == 0. dO comes as the caller's head-dim parts."""
+    rows = start_m + tl.arange(0, BLOCK_M)
+    o0, o1 = _load_d(o_base, start_m, Lq, stride_om, stride_od, Dv, DV0, DV1, BLOCK_M)
+    delta = tl.sum(o0.to(tl.float32) * do0.to(tl.float32), 1)
+    if DV1 != 0:
+        delta += tl.sum(o1.to(tl.float32) * do1.to(tl.float32), 1)
+    lse = tl.load(lse_base + rows.to(tl.int64) * stride_lm, mask=rows < Lq, other=float("-inf"))
+    live = lse != float("-inf")
+    delta = tl.where(live, delta, 0.0)
+    return delta, live, lse
+
+
+@triton.jit
 def attention_bwd_preprocess_kernel(
     Out, DO, Lse, Delta, RowM, RowR, Q, K, Bias, Rep, DQA, Cos, Sin,
     stride_ob, stride_oh, stride_om, stride_od,
@@ -76,17 +94,11 @@ def attention_bwd_preprocess_kernel(
     if ZERO_DQ:
         _store_tile(DQA + pid_bh.to(tl.int64) * Lq * D, tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
                     start_m, Lq, D, D, 1, BLOCK_M, BLOCK_D)
-    o = _load_tile(Out + b * stride_ob + h * stride_oh, start_m, Lq, Dv, stride_om, stride_od,
-                   BLOCK_M, BLOCK_DV)
-    do = _load_tile(DO + b * stride_dob + h * stride_doh, start_m, Lq, Dv, stride_dom, stride_dod,
-                    BLOCK_M, BLOCK_DV)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows.to(tl.int64) * stride_lm,
-                  mask=row_ok, other=0.0)
-    live = lse != float("-inf")
-    # Dead (fully masked) rows have O = NaN; their p is 0 in the backward, so only a finite
-    # delta is needed to keep 0 * (dp - delta) == 0.
-    delta = tl.where(live, delta, 0.0)
+    do0, do1 = _load_d(DO + b * stride_dob + h * stride_doh, start_m, Lq, stride_dom,
+                       stride_dod, Dv, BLOCK_DV, 0, BLOCK_M)
+    delta, live, lse = _row_stats(Out + b * stride_ob + h * stride_oh, stride_om, stride_od,
+                                  Lse + b * stride_lb + h * stride_lh, stride_lm, do0, do1,
+                                  start_m, Lq, Dv, BLOCK_DV, 0, BLOCK_M)
 
     stat_off = pid_bh.to(tl.int64) * Lq + rows
     tl.store(Delta + stat_off, delta, mask=row_ok)
@@ -253,23 +265,6 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
         _atomic_add_dq(dq_base, tl.trans(dsc), k0, k1, k2, start_m, Lq, D, D0, D1, D2, ROT,
                        PRECISION, UPCAST_DOT, BLOCK_M)
     return dk0, dk1, dk2, dv0, dv1
-
-
-@triton.jit
-def _row_stats(o_base, stride_om, stride_od, lse_base, stride_lm, do0, do1, start_m, Lq,
-               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr, BLOCK_M: tl.constexpr):
-    """``(delta, live, lse)`` of the query rows at ``start_m``: Delta = rowsum(dO * O) as the
-    preprocess kernel stores it (0 for dead rows, whose O is NaN), live = the lse is finite,
-    and the lse itself (-inf for padding rows)."""
-    rows = start_m + tl.arange(0, BLOCK_M)
-    o0, o1 = _load_d(o_base, start_m, Lq, stride_om, stride_od, Dv, DV0, DV1, BLOCK_M)
-    delta = tl.sum(o0.to(tl.float32) * do0.to(tl.float32), 1)
-    if DV1 != 0:
-        delta += tl.sum(o1.to(tl.float32) * do1.to(tl.float32), 1)
-    lse = tl.load(lse_base + rows.to(tl.int64) * stride_lm, mask=rows < Lq, other=float("-inf"))
-    live = lse != float("-inf")
-    delta = tl.where(live, delta, 0.0)
-    return delta, live, lse
 
 
 @triton.jit
