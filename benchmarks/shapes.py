@@ -2,7 +2,7 @@
 
     python benchmarks/shapes.py [--layers 12] [--rows ROW,...] [--modes default,reduce-overhead]
                                 [--variants compile,sdpa+compile,plugin] [--steps 10] [--rounds 5]
-                                [--out FILE.md]
+                                [--out FILE.md] [--profile N]
 
 With ``--rounds 0`` it only compiles and warms up every cell: a few such processes run in
 parallel over disjoint ``--rows`` fill Inductor's and Triton's caches, so that the timed run
@@ -30,6 +30,10 @@ A cell is the median of its rounds (the best in brackets): the host of the devic
 by 10-30% over minutes, and interleaving puts that drift on every variant alike (variants
 measured one after another, minutes apart, disagreed with each other by that much: RESULTS.md,
 stop 14). The last table: host µs per op call (overhead.py's compiled rows) next to SDPA's.
+
+``--profile N`` then profiles N more steps of each variant (torch.profiler, kernels inside CUDA-graph
+replays included) and prints per step: wall, GPU kernel time and count, the host's synchronising
+calls, and the kernels by time, so that a row's gap can be placed (on the device or on the host).
 """
 from __future__ import annotations
 
@@ -246,7 +250,50 @@ def _free():
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()
 
 
-def run_row(name, mode, variants, layers, steps, rounds, results, log):
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profile_steps(step, n: int, title: str, top: int = 25) -> str:
+    """--profile: where n steps of one cell spend their time, per step: the host's time to issue a
+    step (median over n steps, each started on an idle GPU), then under the profiler: wall, the
+    summed time and count of GPU kernels, the host's synchronising calls (any of SYNCS, with their count), and the
+    top kernels by GPU time (names cut to 60 characters)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    issue = []
+    for _ in range(n):  # the host's time to issue one step, the GPU idle at its start
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        issue.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    issue = sorted(issue)[n // 2]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / n
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict = {}
+    for e in kernels:
+        t, c = by_name.get(e.name[:60], (0.0, 0))
+        by_name[e.name[:60]] = (t + e.device_time, c + 1)
+    syncs: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(SYNCS):
+            t, c = syncs.get(e.name, (0.0, 0))
+            syncs[e.name] = (t + e.cpu_time_total, c + 1)
+    gpu = sum(e.device_time for e in kernels) / n
+    lines = [f"[profile] {title}: host issue {issue * 1e6:.0f} us/step (median), wall {wall * 1e6:.0f} "
+             f"us/step, GPU {gpu:.0f} us in {len(kernels) / n:.0f} kernels/step; syncs/step: "
+             + (", ".join(f"{k} {c / n:.1f}x {t / n:.0f}us" for k, (t, c) in syncs.items()) or "none")]
+    for k, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"[profile]   {t / n:8.1f} us x{c / n:<5.1f} {k}")
+    return "\n".join(lines)
+
+
+def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0):
     """One row in one mode, every variant in this process: each variant gets its own model and
     compile (3 warm-up steps), then `rounds` rounds in which each variant runs `steps` timed steps
     in turn, so that the host's drift over minutes falls on all variants alike. A cell is the
@@ -284,6 +331,9 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log):
         ts = sorted(times[variant])
         results[(name, mode, variant)] = items * steps / ts[len(ts) // 2]
         results[(name, mode, variant, "best")] = items * steps / ts[0]
+    for variant, (step, *_rest) in steps_of.items() if profile else ():
+        with _variant_context(variant):
+            log(profile_steps(step, profile, f"{name} {mode} {variant}"))
     cells = "  ".join(f"{v} {results[(name, mode, v)]:.0f}" if isinstance(results[(name, mode, v)], float)
                       else f"{v} {results[(name, mode, v)]}" for v in variants)
     log(f"  {name:20} {mode:16} {cells}   (compile {compiled_s:.0f} s, total "
@@ -319,6 +369,8 @@ def main(argv=None):
                         help="interleaved timed runs per variant (0: only compile and warm up, which "
                              "fills the compile caches for a later timed run)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the host-time table")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the timed rounds, profile N steps of each variant (see above)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
@@ -335,7 +387,7 @@ def main(argv=None):
     for name in rows:
         for mode in modes:
             run_row(name, mode, variants, args.layers, args.steps, args.rounds, results,
-                    lambda s: print(s, flush=True))
+                    lambda s: print(s, flush=True), args.profile)
             _free()  # the row's models and compiled graphs are gone once run_row returns
     if args.rounds == 0:
         return
