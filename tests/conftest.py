@@ -27,8 +27,9 @@ def poisoned(monkeypatch):
     this flag)."""
     from fuse_plugin.kernels import attention as attn
 
-    monkeypatch.setattr(attn, "_empty", lambda shape, dtype, device: torch.full(
-        shape, float("nan"), dtype=dtype, device=device))
+    from helpers import poisoned_empty
+
+    monkeypatch.setattr(attn, "_empty", poisoned_empty)
     # (not monkeypatch.setattr: cuBLASModule serves the flag through __getattr__, which newer
     # pytest refuses to patch)
     old = torch.backends.cuda.matmul.allow_tf32

@@ -120,3 +120,11 @@ def rewrite_aot_eager(gm, example_inputs):
         return make_boxed_func(g.forward)
 
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, example_inputs)
+
+
+def poisoned_empty(shape, dtype, device, like=None):
+    """kernels/attention.py's ``_empty`` with every element NaN (same layouts)."""
+    from fuse_plugin.kernels.host import layout_like
+
+    t = layout_like(like, dtype) if like is not None else torch.empty(shape, dtype=dtype, device=device)
+    return t.fill_(float("nan"))

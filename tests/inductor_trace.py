@@ -265,6 +265,27 @@ def head_merge_case(L: int) -> dict:
     return summary(trace(fn, qkv, dmerged))
 
 
+def head_split_grads_case(L: int) -> dict:
+    """BERT's and Llama's use of the op: q, k, v each a head-split view of its own projection
+    (dense, (B, L, H, D) in memory), and the backward's gradients merged back by transpose +
+    reshape for the projections' backward (the op's gradients are laid out as q/k/v)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    B, H, D = 2, 6, 64
+    xs = [fake(mode, B, L, H * D) for _ in range(3)]
+    dmerged = fake(mode, B, L, H * D)
+
+    def fn(xq, xk, xv, dmerged):
+        q, k, v = (x.view(B, L, H, D).transpose(1, 2) for x in (xq, xk, xv))
+        out, lse = OPS.attention(q, k, v, None, 0.0, False, 0.125)
+        dout = dmerged.view(B, L, H, D).transpose(1, 2)
+        grads = OPS.attention_backward(dout, q, k, v, None, out, lse, 0.0, False, 0.125, None, False)
+        return [g.transpose(1, 2).reshape(B, L, H * D) for g in grads[:3]]
+
+    return summary(trace(fn, *xs, dmerged))
+
+
 @contextlib.contextmanager
 def cudnn_available():
     """cuDNN present, as on the H100 (a CPU build of torch has none): the cuDNN family may run."""
@@ -297,6 +318,8 @@ def run_case(name: str) -> dict:
     with fake_h100():
         if name in ("head_merge", "head_merge_tma"):  # TMA: 4000 tokens, over the threshold
             return head_merge_case(200 if name == "head_merge" else 4000)
+        if name in ("head_split_grads", "head_split_grads_atomic"):  # one key block / two
+            return head_split_grads_case(128 if name == "head_split_grads" else 200)
         if name == "deterministic":
             with mock.patch.object(torch, "are_deterministic_algorithms_enabled", lambda: True):
                 return summary(attention_case(1, 8, 2, 600, 64))
@@ -360,7 +383,8 @@ if __name__ == "__main__":
     sys.argv = [a for a in sys.argv if a != "-v"]
     names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small",
                              "d64_n2000_cudagraphs", "chained_tma", "head_merge",
-                             "head_merge_tma", "untraceable",
+                             "head_merge_tma", "head_split_grads", "head_split_grads_atomic",
+                             "untraceable",
                              "disabled", "export", "symbolic", *CUDNN_CASES, "cudnn_off",
                              "head_merge_cudnn"]
     for name in names:

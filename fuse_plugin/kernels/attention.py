@@ -21,9 +21,10 @@ Shapes and layouts
   transposed view, see ``out_layout``), ``lse`` (B, Hq, Lq) fp32 contiguous (natural-log
   logsumexp of the scaled, biased, masked scores of each row). ``dout`` is read through its
   strides (unit last stride).
-* Backward: ``dq``/``dk``/``dv`` contiguous, shaped/typed as q/k/v (traced cuDNN backward:
-  in q's / k's / v's layout, below); optional ``dbias`` is the fp32 (B, Hq, Lq, Lk) gradient dS
-  of the scores (the caller reduces it to the bias's shape).
+* Backward: ``dq``/``dk``/``dv`` shaped/typed as q/k/v, dense, their dims in q/k/v's memory
+  order where those have a unit last stride, else contiguous (``host.layout_like``, as the op's
+  fake and as cuDNN's gradients: the head merge of a gradient is then a view); optional ``dbias`` is the fp32 (B, Hq, Lq, Lk)
+  gradient dS of the scores (the caller reduces it to the bias's shape).
 * cuDNN: plain problems where cuDNN's fused attention was measured faster than these kernels
   (no bias, dropout, softcap, replace or rope; fp16/bf16, D <= 128, sm 90; forward from 512
   tokens, backward from 160, fed our out and lse) run it instead (attention_cudnn.py), unless
@@ -161,6 +162,7 @@ from .attention_decode import attention_decode_forward
 from .attention_fwd import attention_fwd_kernel
 from .attention_fwd_tma import attention_fwd_tma_kernel
 from . import host
+from .host import in_layout_of, layout_like
 from .attention_config import (  # noqa: F401  (some only re-exported: tune.py, tests)
     _GLUON_BWD_KERNELS,
     _GLUON_KERNELS,
@@ -195,8 +197,11 @@ __all__ = ["AttentionConfig", "Rope", "attention_forward", "attention_backward"]
 # --------------------------------------------------------------------------------------------
 
 
-def _empty(shape, dtype, device) -> torch.Tensor:
-    """Allocation of every kernel output (one hook, so tests can poison it with NaN)."""
+def _empty(shape, dtype, device, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Allocation of every kernel output (one hook, so tests can poison it with NaN); with
+    ``like`` (an input of the op), laid out as ``host.layout_like(like, dtype)``: the gradients."""
+    if like is not None:
+        return layout_like(like, dtype)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -848,6 +853,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     scores (dq/dk go on through the softcap). ``replace``: as in ``attention_forward``; dbias is
     dS everywhere, dq/dk take none of it where the mask holds."""
     _check_inputs(q, k, v, bias)
+    # dq/dk/dv are laid out as the op's inputs (host.layout_like), as the op's fake says.
+    q_in, k_in, v_in = inputs = (q, k, v)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     dout = _unit_last_stride(dout)  # the forward's layout (out_layout): read by its strides
     B, Hq, Lq, D = q.shape
@@ -862,12 +869,13 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
             replace=replace is not None, rope=rope is not None, need_dbias=need_dbias,
             deterministic=deterministic):
         grads = attention_cudnn.backward(dout, q, k, v, out, lse, is_causal, scale)
-        # traced: the graph holds cuDNN's layouts; eager: contiguous, as the op's fake says
-        return (*(grads if is_tracing() else map(_contiguous, grads)), None)
+        # cuDNN's gradients follow q/k/v's stride order: mostly the fake's layout already (and
+        # as they are when traced: host.in_layout_of)
+        return (*(in_layout_of(g, x) for g, x in zip(grads, inputs)), None)
     dev = q.device
     if B * Hq == 0:
-        return (_empty((B, Hq, Lq, D), q.dtype, dev), _empty((B, Hkv, Lk, D), k.dtype, dev),
-                _empty((B, Hkv, Lk, Dv), v.dtype, dev),
+        return (_empty((B, Hq, Lq, D), q.dtype, dev, q_in), _empty((B, Hkv, Lk, D), k.dtype, dev, k_in),
+                _empty((B, Hkv, Lk, Dv), v.dtype, dev, v_in),
                 _empty((B, Hq, Lq, Lk), torch.float32, dev) if need_dbias else None)
 
     cos, sin, scq, sck, rc = _rope_args(rope, q, k)
@@ -917,16 +925,15 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         if why_not is None:  # it reads out and dout contiguous
             out_c, dout_c = _contiguous(out), _contiguous(dout)
         if why_not is None and is_tracing():  # as in the forward: one opaque op
-            dq, dk, dv = torch.ops.fuse_plugin.gluon_attention_backward(
+            grads = torch.ops.fuse_plugin.gluon_attention_backward(
                 dout_c, q, k, v, out_c, lse, bool(is_causal), float(scale), variant,
                 group_split or 0)
-            return dq, dk, dv, None
-        if why_not is None:
-            dq, dk, dv = gluon_bwd.attention_backward_gluon(dout_c, q, k, v, out_c, lse,
-                                                            is_causal=is_causal, scale=scale,
-                                                            variant=variant,
-                                                            group_split=group_split)
-            return dq, dk, dv, None
+        elif why_not is None:
+            grads = gluon_bwd.attention_backward_gluon(dout_c, q, k, v, out_c, lse,
+                                                       is_causal=is_causal, scale=scale,
+                                                       variant=variant, group_split=group_split)
+        if why_not is None:  # contiguous gradients
+            return (*(in_layout_of(g, x) for g, x in zip(grads, inputs)), None)
         if user_given:
             raise ValueError(f"config {cfg} asks for the Gluon backward kernel, but {why_not}")
         cfg = _fit_smem("bwd", _backward_config(D, Dv, q.dtype), D, Dv, q.element_size(),
@@ -934,9 +941,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     # The atomic-free pairs are deterministic by construction; a table or user config may pick
     # them.
     deterministic = deterministic or cfg.kernel in _PAIR_KERNELS
-    dq = _empty((B, Hq, Lq, D), q.dtype, dev)
-    dk = _empty((B, Hkv, Lk, D), k.dtype, dev)
-    dv = _empty((B, Hkv, Lk, Dv), v.dtype, dev)
+    dq = _empty((B, Hq, Lq, D), q.dtype, dev, q_in)
+    dk = _empty((B, Hkv, Lk, D), k.dtype, dev, k_in)
+    dv = _empty((B, Hkv, Lk, Dv), v.dtype, dev, v_in)
     dbias = _empty((B, Hq, Lq, Lk), torch.float32, dev) if need_dbias else None
     use_tma = False
     if cfg.tma and not deterministic:
@@ -1080,9 +1087,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
             # cast into dq's consumer (the copy that lays out the q/k/v gradients), no launch.
             dq = (dqa * scale).to(q.dtype)
         else:
-            n = dq.numel()
-            launch(attention_dq_cast_kernel, (_cdiv(n, 1024),), dqa, dq, n, scale, BLOCK=1024,
-                   num_warps=4, writes=("DQ",))
+            launch(attention_dq_cast_kernel, (_cdiv(dq.numel(), 1024),), dqa, dq, dq.numel(), *dq.stride(),
+                   Hq, Lq, D, scale, BLOCK=1024, num_warps=4, writes=("DQ",))
         return dq, dk, dv, dbias
 
     delta, row_m, row_r, _ = preprocess()

@@ -400,14 +400,20 @@ def attention_bwd_kernel(
 
 
 @triton.jit
-def attention_dq_cast_kernel(DQA, DQ, numel, sm_scale, BLOCK: tl.constexpr):
-    """DQ = (DQA * scale).to(DQ's dtype); both contiguous, same shape."""
+def attention_dq_cast_kernel(DQA, DQ, numel, stride_b, stride_h, stride_m, stride_d, Hq, Lq, D,
+                             sm_scale, BLOCK: tl.constexpr):
+    """DQ = (DQA * scale).to(DQ's dtype): DQA contiguous (B, Hq, Lq, D), DQ of the same shape
+    with its own strides (laid out as q: host.layout_like)."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
     sm_scale = tl.cast(sm_scale, tl.float32)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     x = tl.load(DQA + offs, mask=ok, other=0.0)
-    tl.store(DQ + offs, (x * sm_scale).to(DQ.dtype.element_ty), mask=ok)
+    d = offs % D
+    m = (offs // D) % Lq
+    bh = offs // (D * Lq)
+    dst = (bh // Hq) * stride_b + (bh % Hq) * stride_h + m * stride_m + d * stride_d
+    tl.store(DQ + dst, (x * sm_scale).to(DQ.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -15,7 +15,9 @@ applied to the scaled scores before the bias and the masks; 0 = off) with
 Outputs: out (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv) in memory (a transposed
 view, as SDPA's flash/cuDNN outputs: the usual head merge `out.transpose(1, 2).reshape(B, Lq, -1)`
 is then a view, no copy), lse (B, Hq, Lq) float32 contiguous (natural log).
-lse is not differentiable.
+lse is not differentiable. The backward op's dq/dk/dv are dense with their dims in q/k/v's memory
+order where those have a unit last stride, else contiguous (kernels/host.layout_like: the head
+merge of a gradient is then a view too).
 
 Dropout: with dropout_p > 0 the attention weights are dropped with probability dropout_p and the
 kept ones scaled by 1/(1 - dropout_p), as `F.dropout` would do after the softmax (lse stays that
@@ -49,6 +51,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.host import in_layout_of, layout_like
 from . import _dispatch, inductor, reference
 
 
@@ -208,6 +211,8 @@ def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbi
         dq, dk, dv, ds = reference.attention_backward(
             dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, **extra
         )
+    # Each gradient laid out as its input (host.layout_like), as the fake says.
+    dq, dk, dv = in_layout_of(dq, q), in_layout_of(dk, k), in_layout_of(dv, v)
     return dq, dk, dv, reduce_dbias(ds, attn_bias, q, need_dbias)
 
 
@@ -224,9 +229,7 @@ def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_s
     check_softcap(softcap)
     check_replace(replace, attn_bias, q, k)
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
-    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
-        k, memory_format=torch.contiguous_format
-    ), torch.empty_like(v, memory_format=torch.contiguous_format), dbias
+    return layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype), dbias
 
 
 def _setup_context(ctx, inputs, output):

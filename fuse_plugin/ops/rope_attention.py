@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..kernels.host import in_layout_of, layout_like
 from . import _dispatch, attention, inductor, reference
 from . import rotary as rotary_ops
 
@@ -150,6 +151,7 @@ def _rope_attention_backward(
         dout, q_rot, k_rot, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed
     )
     dq, dk = rotary_ops._rotate_qk(dq_rot, dk_rot, cos, sin, interleaved, rotary_dim, True, q.dtype, k.dtype)
+    dq, dk = in_layout_of(dq, q), in_layout_of(dk, k)  # laid out as the fake says
     dcos, dsin = empty, empty.clone()
     if need_dtables:
         parts = [reference.rotary_cos_sin_grads(g, x, cos, sin, interleaved, rotary_dim) for g, x in ((dq_rot, q), (dk_rot, k))]
@@ -165,13 +167,10 @@ rope_attention_backward = torch.library.custom_op("fuse_plugin::rope_attention_b
 @rope_attention_backward.register_fake
 def _(dout, q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, out, lse, dropout_p, is_causal, scale,
       dropout_seed, need_dbias, need_dtables):
-    def like(t):
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
-
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     dcos = cos.new_empty(cos.shape) if need_dtables else q.new_empty((0,))
     dsin = sin.new_empty(sin.shape) if need_dtables else q.new_empty((0,))
-    return like(q), like(k), like(v), dbias, dcos, dsin
+    return layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype), dbias, dcos, dsin
 
 
 def _setup_context(ctx, inputs, output):

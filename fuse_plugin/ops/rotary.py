@@ -10,9 +10,10 @@ rotates the first `rotary_dim` (R, even) channels of x's last dim; channels [R:]
   interleaved=True:  adjacent pairs (2j, 2j + 1) — GPT-J `rotate_every_two`, Meta's complex rope.
 Per pair (a, b) with the cos/sin values (c1, s1) of its first and (c2, s2) of its second channel:
   out_a = a·c1 − b·s1,  out_b = b·c2 + a·s2       (the eager `x·cos + rotate_half(x)·sin`).
-Math in float32; the output has x's memory layout where x is dense with a unit last stride (the
-`(B, L, H, D)` memory of HF's `q.view(B, L, H, D).transpose(1, 2)`: read and written as two
-sequential streams, as Inductor lays out its fused rope), else it is contiguous (`output_like`);
+Math in float32; the output is dense with x's dims in x's memory order where x has a unit last
+stride (x's own strides where x is dense: the `(B, L, H, D)` memory of HF's
+`q.view(B, L, H, D).transpose(1, 2)`, read and written as two sequential streams, as Inductor
+lays out its fused rope), else it is contiguous (`output_like`, kernels/host.layout_like);
 its dtype is the one the eager expression gives (`promote_types(x, cos, sin)`). `rotary_qk` does q and k in one launch. Gradients flow to x and,
 for learned frequencies, to cos/sin.
 
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import launch
+from ..kernels.host import layout_like as output_like  # the output's layout: see the docstring
 from . import _dispatch, inductor, reference
 
 
@@ -42,17 +44,6 @@ def _kernels():
 
 def out_dtype(x: Tensor, cos: Tensor, sin: Tensor) -> torch.dtype:
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
-
-
-def output_like(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The output of rotating x (real and fake implementations alike): x's strides when x has at
-    most 4 dims, a unit last stride and is dense (`empty_like` keeps the strides of dense tensors),
-    else contiguous."""
-    if x.dim() <= 4:
-        out = torch.empty_like(x, dtype=dtype)
-        if x.dim() == 0 or out.stride(-1) == 1:
-            return out
-    return x.new_empty(x.shape, dtype=dtype)
 
 
 def _as_4d(t: Tensor) -> Tensor:
