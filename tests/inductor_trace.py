@@ -195,21 +195,54 @@ def rope_attention_case():
     return trace(fn, q, k, v, dout, cos, sin)
 
 
-def symbolic_case() -> dict:
-    """why_opaque on fake CUDA tensors whose length is a SymInt."""
+def symbolic_case(L: int, B: int = 2, Hq: int = 8, Hkv: int = 2, D: int = 64, is_causal=True,
+                  Lq=None, mask=None, p=0.0, all_dynamic=False) -> dict:
+    """Dynamic shapes: the keys' length (and the queries', unless ``Lq`` is given) a SymInt with
+    hint L, as Dynamo makes it for a dimension it has seen change (``all_dynamic``: the batch,
+    head counts and head dim too). The summary adds the guards the trace added (what Dynamo
+    would recompile on)."""
     from torch._dynamo.source import ConstantSource
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from fuse_plugin.ops import inductor
-
     env = ShapeEnv()
-    length = env.create_symintnode(env.create_symbol(100, ConstantSource("L")), hint=100)
-    with FakeTensorMode(shape_env=env):
-        q = torch.empty(1, 4, length, 64, device="cuda", dtype=torch.bfloat16)
-        static = torch.empty(1, 4, 100, 64, device="cuda", dtype=torch.bfloat16)
-    return dict(symbolic=inductor.why_opaque((), (q, q, q), {}),
-                static=inductor.why_opaque((), (static,), {}))
+
+    def sym(name, n):
+        return env.create_symintnode(env.create_symbol(n, ConstantSource(name)), hint=n)
+
+    length = sym("L", L)
+    lq = length if Lq is None else Lq
+    if all_dynamic:  # torch.compile(dynamic=True): every dim but those of size 0/1 a SymInt
+        B, Hq, Hkv, D = sym("B", B), sym("Hq", Hq), sym("Hkv", Hkv), sym("D", D)
+    mode = FakeTensorMode(shape_env=env)
+    with mode:
+        q = torch.randn(B, lq, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(B, length, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                for _ in range(2))
+        dout = torch.randn(B, Hq, lq, D, device="cuda", dtype=torch.bfloat16)
+        extra = []
+        if mask == "bool":  # a padding mask, as BERT's
+            extra.append(torch.ones(B, 1, 1, length, dtype=torch.bool, device="cuda"))
+        if p:
+            extra.append(torch.zeros((), dtype=torch.int64, device="cuda"))
+
+    def fn(q, k, v, dout, *extra):
+        bias = extra[0] if mask else None
+        seed = extra[-1] if p else None
+        return attention_pair(q, k, v, dout, bias, is_causal, p=p, seed=seed)
+
+    return dict(summary(trace(fn, q, k, v, dout, *extra)), guards=[str(g.expr) for g in env.guards])
+
+
+SYMBOLIC_CASES = {
+    "symbolic_100": lambda: symbolic_case(100),  # one key block: the one-launch backward
+    "symbolic_1000": lambda: symbolic_case(1000),
+    "symbolic_bert": lambda: symbolic_case(128, B=4, Hq=12, Hkv=12, is_causal=False, mask="bool",
+                                           p=0.1),
+    "symbolic_decode": lambda: symbolic_case(1000, Lq=1, is_causal=False),  # a KV-cache step
+    "symbolic_tma": lambda: symbolic_case(16384, B=4, Hq=16, Hkv=16, D=128),  # TMA: opaque
+    "symbolic_all": lambda: symbolic_case(300, all_dynamic=True),
+}
 
 
 CASES = {
@@ -371,8 +404,8 @@ def run_case(name: str) -> dict:
         if name == "export":  # torch.export keeps custom ops whole (AOTInductor decomposes later)
             with mock.patch.object(torch._functorch.config, "decompose_custom_triton_ops", False):
                 return summary(attention_case(1, 4, 4, 100, 64))
-        if name == "symbolic":  # dynamic shapes: the launcher's choices need static sizes
-            return symbolic_case()
+        if name in SYMBOLIC_CASES:
+            return SYMBOLIC_CASES[name]()
         return summary(CASES[name]())
 
 
@@ -385,7 +418,7 @@ if __name__ == "__main__":
                              "d64_n2000_cudagraphs", "chained_tma", "head_merge",
                              "head_merge_tma", "head_split_grads", "head_split_grads_atomic",
                              "untraceable",
-                             "disabled", "export", "symbolic", *CUDNN_CASES, "cudnn_off",
+                             "disabled", "export", *SYMBOLIC_CASES, *CUDNN_CASES, "cudnn_off",
                              "head_merge_cudnn"]
     for name in names:
         try:

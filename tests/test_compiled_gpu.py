@@ -145,14 +145,40 @@ def test_gluon_kernels_under_compile():
         assert rel(g, e) < 1e-2
 
 
-def test_dynamic_shapes_keep_the_op_opaque_and_right():
+def test_dynamic_shapes_launch_the_kernels_and_match_eager():
+    """Dynamic shapes: the ops still decompose into Inductor's launches (tiles chosen by the
+    traced length's hint, kernels/launch.hint), inference and training match eager at lengths
+    the graph was not traced with, and lengths on one side of the one-launch backward's bound
+    (128 keys) share one graph."""
+    from torch._dynamo.utils import counters
+
     ref, model = model_pair()
     torch._dynamo.reset()
+    counters.clear()
     compiled = torch.compile(model, backend="fuse_plugin", dynamic=True)
     with torch.no_grad():
-        for n in (100, 257):
+        for i, n in enumerate((300, 257, 1000, 100, 77)):
             ids = torch.randint(0, 1000, (2, n), device="cuda")
-            assert as_accurate(rel(compiled(ids), ref(ids)), rel(model(ids), ref(ids)))
+            out, code = generated_code(compiled, ids) if i == 0 else (compiled(ids), None)
+            if code is not None:
+                assert_launched_by_inductor(code)
+            assert as_accurate(rel(out, ref(ids)), rel(model(ids), ref(ids))), n
+    # one graph for 300 / 257 / 1000, one more once 100 and 77 cross the 128-key bound
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+    def grads(m, fn, ids):
+        for p in m.parameters():
+            p.grad = None
+        fn(ids).float().pow(2).mean().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fuse_plugin", dynamic=True)
+    for n in (300, 211):
+        ids = torch.randint(0, 1000, (2, n), device="cuda")
+        expected, eager, got = grads(ref, ref, ids), grads(model, model, ids), grads(model, compiled, ids)
+        for g, b, e in zip(got, eager, expected):
+            assert as_accurate(rel(g, e), rel(b, e)), (n, rel(g, e), rel(b, e))
 
 
 _CHILD = os.path.join(os.path.dirname(__file__), "aoti_child.py")

@@ -7,6 +7,7 @@ which compiled decompose into plain torch math for Inductor to fuse, cannot be t
 compiled models against eager, on a GPU.
 """
 import json
+import re
 import os
 import subprocess
 import sys
@@ -188,8 +189,35 @@ def test_ops_stay_opaque_where_they_should(traced, name):
                               "fuse_plugin.attention_backward.default"]
 
 
-def test_symbolic_shapes_stay_opaque(traced):
-    assert traced["symbolic"] == {"symbolic": "symbolic sizes or strides", "static": None}
+@pytest.mark.parametrize("name, expected", [
+    ("symbolic_100", [FWD, ATOMIC]),  # the one-launch backward: a guard on Lk <= 128
+    ("symbolic_1000", [FWD, PRE, ATOMIC]),
+    ("symbolic_bert", [FWD, ATOMIC]),  # padding mask, dropout
+    ("symbolic_decode", [DECODE_SPLIT, DECODE_COMBINE, PRE, ATOMIC]),  # split count by the hint
+])
+def test_dynamic_shapes_become_kernel_launches(traced, name, expected):
+    """Dynamic shapes (a SymInt length, as Dynamo makes it once a length changed): the ops still
+    become Inductor's launches (before, they stayed opaque: ~0.2-0.45 ms of host time per call).
+    Families and tiles are chosen by the length's hint; guards only bound what correctness needs
+    (one key block or not, int32 tile offsets): none pins the length to a value, so other
+    lengths reuse the graph."""
+    case = traced[name]
+    assert_fully_traced(case)
+    assert kernels(case) == expected
+    pinned = [g for g in case["guards"] if re.fullmatch(r"(Eq|Ne)\(s\d+, -?\d+\)", g)]
+    assert pinned == [], pinned
+    if name != "symbolic_decode":  # (the split buffers add identities such as Max(1, n) = n)
+        assert len(case["guards"]) <= 2, case["guards"]
+
+
+def test_dynamic_shapes_with_tma_kernels_stay_opaque(traced):
+    """Where the hint picks a TMA or Gluon kernel (long sequences), whose launches take static
+    shapes, the op stays opaque: its host time is small against its device time there."""
+    case = traced["symbolic_tma"]
+    assert "error" not in case, case.get("error")
+    assert case["launches"] == []
+    assert case["opaque"] == ["fuse_plugin.attention.default",
+                              "fuse_plugin.attention_backward.default"]
 
 
 def test_bad_switch_value_is_named():

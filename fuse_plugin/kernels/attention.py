@@ -143,8 +143,8 @@ from triton.runtime.errors import OutOfResources
 from . import attention_cudnn
 from . import attention_bwd_gluon as gluon_bwd
 from . import attention_fwd_gluon as gluon_fwd
-from .launch import (Desc, aligned16, descriptors_traceable, is_tracing, launch,
-                     python_ops_allowed, tma_strides_ok)
+from .launch import (Desc, Untraceable, aligned16, descriptors_traceable, hint, is_tracing,
+                     launch, python_ops_allowed, symbolic, tma_strides_ok)
 from .attention_bwd import (
     attention_bwd_preprocess_kernel,
     attention_bwd_kernel,
@@ -304,6 +304,14 @@ def _upcast_dot(t: torch.Tensor) -> bool:
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dims(q, k, v) -> tuple:
+    """(B, Hq, Lq, D, Hkv, Lk, Dv). Under dynamic shapes the batch and the lengths may stay
+    SymInts (launch.hint); the head counts and head dims become ints (a guard each: they are a
+    model's constants, and the kernels take them as compile-time constants or decide by them)."""
+    B, Hq, Lq, D = q.shape
+    return B, int(Hq), Lq, int(D), int(k.shape[1]), k.shape[2], int(v.shape[3])
 
 
 def _check_inputs(q, k, v, bias) -> None:
@@ -531,6 +539,9 @@ def _tma_ineligible(q, k, v, out, kind, rope_consts, dropout, scale, D, Dv,
     why_not = _host_heavy_traced_ineligible(q, k, is_causal, "its descriptors")
     if why_not is not None:
         return why_not
+    if is_tracing() and symbolic(q, k, v, out):
+        # Large problems, where an opaque op's host time is small against its device time.
+        raise Untraceable("dynamic shapes: the TMA and Gluon kernels launch with static shapes")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
         # TMA: 16-byte aligned base and non-zero strides (the head-dim stride is 1, see
         # _unit_last_stride; launch.tma_strides_ok says which strides of size-1 dims count).
@@ -579,8 +590,8 @@ def _host_heavy_traced_ineligible(q, k, is_causal: bool, what: str) -> Optional[
         return None
     from torch._inductor import config
 
-    B, Hq, Lq, D = q.shape
-    flops = 4 * B * Hq * Lq * k.shape[2] * D * (0.5 if is_causal else 1.0)
+    B, Hq, Lq, D = map(hint, q.shape)
+    flops = 4 * B * Hq * Lq * hint(k.shape[2]) * D * (0.5 if is_causal else 1.0)
     if flops < _HOST_HEAVY_TRACED_MIN_FLOPS and not config.triton.cudagraphs:
         return (f"compiled, {flops:.2g} FLOPs are too few to cover the host time of {what} "
                 f"(< {_HOST_HEAVY_TRACED_MIN_FLOPS:.2g})")
@@ -650,7 +661,7 @@ def _sum_partials(parts: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
     """The GQA split's fp32 partials (split, ...) summed in a fixed order into ``into``'s dtype
     (eager: written into ``into``; traced: a new tensor, one Inductor reduction)."""
     if is_tracing():
-        return parts.sum(0).to(into.dtype)
+        return in_layout_of(parts.sum(0).to(into.dtype), into)
     return into.copy_(parts.sum(0))
 
 
@@ -664,7 +675,7 @@ def _launch_bwd_tma_pair(q, k, v, dout, dq, dk, dv, delta, row_m, is_causal, sca
     Hkv, Lk = k.shape[1], k.shape[2]
     bm, bn = cfg.block_m, cfg.block_n
     dots = dict(PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q))
-    split = group_split or _group_split(B * Hkv * _cdiv(Lk, bn), Hq // Hkv, q.device)
+    split = group_split or _group_split(hint(B * Hkv * _cdiv(Lk, bn)), Hq // Hkv, q.device)
     if Hq // Hkv % split:
         raise ValueError(f"group_split={split} does not divide the GQA group of {Hq // Hkv}")
     if split > 1:  # fp32 partials, split-major: (split * B, Hkv, Lk, D)
@@ -732,8 +743,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     kernels only)."""
     _check_inputs(q, k, v, bias)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
-    B, Hq, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    B, Hq, Lq, D, Hkv, Lk, Dv = _dims(q, k, v)
     if config is None and B * Hq and _cudnn_family(
             "fwd", q, k, v, bias, is_causal=is_causal, dropout=dropout_p != 0.0, softcap=softcap != 0.0,
             replace=replace is not None, rope=rope is not None):
@@ -748,7 +758,9 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     lse = _empty((B, Hq, Lq), torch.float32, q.device)
     if B * Hq == 0:
         return out, lse
-    if _forward_family(Lq, Lk, config is not None, rope is not None, dropout_p != 0.0,
+    # Speed-only choices by the sizes' hints (launch.hint: dynamic shapes add no guard here).
+    Lq_h, Lk_h = hint(Lq), hint(Lk)
+    if _forward_family(Lq_h, Lk_h, config is not None, rope is not None, dropout_p != 0.0,
                        softcap != 0.0, replace is not None) == "decode":
         _bias_args(bias, q)  # the same errors as the general path
         return attention_decode_forward(q, k, v, bias, is_causal=is_causal, scale=scale,
@@ -759,7 +771,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     seed, drop_thresh, inv_keep, dropout = _dropout_args(dropout_p, dropout_seed, q)
     user_given = config is not None
     cfg = AttentionConfig(*config) if user_given else _pick_config(
-        "fwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
+        "fwd", q, D, Dv, is_causal, kind, Lq_h, Lk_h, _bias_elt(bias_t, kind))
     _check_config(cfg, "fwd")
     score_scale, cap, softcapped = _softcap_args(kind, scale, softcap)
     if softcapped:
@@ -857,8 +869,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     q_in, k_in, v_in = inputs = (q, k, v)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     dout = _unit_last_stride(dout)  # the forward's layout (out_layout): read by its strides
-    B, Hq, Lq, D = q.shape
-    Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    B, Hq, Lq, D, Hkv, Lk, Dv = _dims(q, k, v)
     if tuple(dout.shape) != (B, Hq, Lq, Dv) or tuple(out.shape) != (B, Hq, Lq, Dv) \
             or tuple(lse.shape) != (B, Hq, Lq):
         raise ValueError("dout/out/lse shapes do not match q and v")
@@ -888,7 +899,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         if cfg.dq_tile is not None:
             cfg = cfg._replace(dq_tile=tuple(cfg.dq_tile))
     else:
-        cfg = _pick_config("bwd", q, D, Dv, is_causal, kind, Lq, Lk, _bias_elt(bias_t, kind))
+        # speed-only: by the sizes' hints (launch.hint)
+        cfg = _pick_config("bwd", q, D, Dv, is_causal, kind, hint(Lq), hint(Lk),
+                           _bias_elt(bias_t, kind))
     _check_config(cfg, "bwd")
     score_scale, cap, softcapped = _softcap_args(kind, scale, softcap)
     if softcapped:
@@ -1008,7 +1021,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
 
         def run_atomic(cfg):
             nonlocal dk, dv  # replaced by the summed partials when traced (_sum_partials)
-            split = group_split or _group_split(B * Hkv * _cdiv(Lk, cfg.block_n), Hq // Hkv, dev)
+            split = group_split or _group_split(hint(B * Hkv * _cdiv(Lk, cfg.block_n)), Hq // Hkv,
+                                                dev)
             if Hq // Hkv % split:
                 raise ValueError(f"group_split={split} does not divide the GQA group of {Hq // Hkv}")
             if split > 1:
@@ -1040,8 +1054,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
             nonlocal one_block
             # All keys in one block: each program owns its query heads' dQ rows, so the kernel
             # takes the statistics from out/lse and stores dQ itself (no preprocess, no fp32
-            # buffer, no cast: one launch). Otherwise the preprocess's buffers.
-            one_block = _cdiv(Lk, cfg.block_n) == 1
+            # buffer, no cast: one launch). Otherwise the preprocess's buffers. (A correctness
+            # condition: with dynamic shapes, a guard on Lk.)
+            one_block = bool(_cdiv(Lk, cfg.block_n) == 1)
             if one_block:
                 delta = row_m = row_r = dqa = lse  # unused
                 dq_out = dq
@@ -1083,9 +1098,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                 attention_dq_rope_cast_kernel, (_cdiv(Lq, cast_m) * B * Hq,), dqa, dq, cos, sin, *dq.stride(), *scq, Hq, Lq, scale, D,
                 D0=one[0], D2=one[2], BLOCK_M=cast_m, **rc, num_warps=4, writes=("DQ",))
         elif is_tracing():
-            # What attention_dq_cast_kernel computes, as torch ops: Inductor fuses the scale and
-            # cast into dq's consumer (the copy that lays out the q/k/v gradients), no launch.
-            dq = (dqa * scale).to(q.dtype)
+            # What attention_dq_cast_kernel computes, as torch ops, laid out as the fake says:
+            # Inductor fuses the scale, the cast and the layout into one pointwise kernel.
+            dq = in_layout_of((dqa * scale).to(q.dtype), q_in)
         else:
             launch(attention_dq_cast_kernel, (_cdiv(dq.numel(), 1024),), dqa, dq, dq.numel(), *dq.stride(),
                    Hq, Lq, D, scale, BLOCK=1024, num_warps=4, writes=("DQ",))

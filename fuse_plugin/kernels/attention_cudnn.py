@@ -35,6 +35,8 @@ from typing import Optional
 
 import torch
 
+from .launch import hint
+
 aten = torch.ops.aten
 
 FWD_MIN_LEN = 512  # Lq and Lk: cuDNN's forward ties ours at 512 and wins from there up
@@ -73,7 +75,7 @@ def why_not(q, k, v, bias, *, is_causal: bool, capability: tuple[int, int], drop
 def family(direction: str, q, k, v, bias, **flags) -> Optional[str]:
     """"cudnn" where cuDNN runs this call (eligible and at least ``*_MIN_LEN`` long), else None."""
     least = FWD_MIN_LEN if direction == "fwd" else BWD_MIN_LEN
-    if min(q.shape[2], k.shape[2]) < least:
+    if min(hint(q.shape[2]), hint(k.shape[2])) < least:  # speed only: no guard (launch.hint)
         return None
     return "cudnn" if why_not(q, k, v, bias, **flags) is None else None
 

@@ -72,7 +72,7 @@ from .attention_tiles import _LN2, _dot, _dot_acc, _exp
 from .host import FLOAT_BIAS as _FLOAT_BIAS
 from .host import bias_args as _bias_args
 from .host import cdiv, next_pow2
-from .launch import launch
+from .launch import hint, launch
 
 __all__ = ["DecodeConfig", "decode_config", "num_splits", "attention_decode_forward"]
 
@@ -415,6 +415,7 @@ def attention_decode_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     benchmarks)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hq, D, Hkv, Dv = int(Hq), int(D), int(Hkv), int(Dv)  # compile-time constants (dynamic shapes)
     if out_buf is None:
         out_buf = torch.empty((B, Lq, Hq, Dv), dtype=q.dtype, device=q.device)
     if lse is None:
@@ -430,11 +431,13 @@ def attention_decode_forward(q, k, v, bias, *, is_causal: bool, scale: float,
         if blk < 16 or blk & (blk - 1):
             raise ValueError(f"decode block sizes must be powers of 2 >= 16, got {cfg}")
     row_blocks = cdiv(rows, bm)
-    n_keys = min(Lk, Lq) if is_causal else Lk  # top-left causal: keys >= Lq are never seen
+    n_keys = torch.sym_min(Lk, Lq) if is_causal else Lk  # top-left causal: keys >= Lq unseen
     key_blocks = cdiv(n_keys, bn)
     programs = B * Hkv * row_blocks
-    n_splits = splits or num_splits(programs, key_blocks, _sm_count(q.device))
-    n_splits = max(1, min(n_splits, key_blocks))
+    # The split count is a speed choice, by the sizes' hints (launch.hint: with dynamic shapes
+    # no guard); the split length and count below are exact for every length.
+    n_splits = splits or num_splits(hint(programs), hint(key_blocks), _sm_count(q.device))
+    n_splits = max(1, min(n_splits, hint(key_blocks)))
     blocks_per_split = cdiv(key_blocks, n_splits)
     n_splits = cdiv(key_blocks, blocks_per_split)  # no empty split
     keys_per_split = blocks_per_split * bn

@@ -68,6 +68,24 @@ def is_tracing() -> bool:
     return getattr(_state, "tracing", False)
 
 
+def hint(n) -> int:
+    """A size as a plain int without adding a guard: an int as it is, a SymInt (dynamic shapes)
+    as its hint, the value the graph is being traced with. For choices that only change speed
+    (kernel family, tiles, splits): a graph compiled for dynamic shapes keeps the choice of the
+    shape it was traced with for every shape it runs, and the launchers compare the SymInt
+    itself (a guard: Dynamo recompiles across it) only where correctness depends on a size."""
+    if isinstance(n, torch.SymInt):
+        if not n.node.has_hint():
+            raise Untraceable("a data-dependent size (no hint to choose kernels by)")
+        return int(n.node.hint)
+    return n
+
+
+def symbolic(*tensors: torch.Tensor) -> bool:
+    """Has any of these tensors a symbolic size (dynamic shapes)?"""
+    return any(isinstance(n, torch.SymInt) for t in tensors for n in t.shape)
+
+
 @contextlib.contextmanager
 def tracing():
     """Launches inside become graph nodes for Inductor instead of running (see module doc)."""

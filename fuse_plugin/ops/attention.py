@@ -211,8 +211,9 @@ def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbi
         dq, dk, dv, ds = reference.attention_backward(
             dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, **extra
         )
-    # Each gradient laid out as its input (host.layout_like), as the fake says.
-    dq, dk, dv = in_layout_of(dq, q), in_layout_of(dk, k), in_layout_of(dv, v)
+        # Each gradient laid out as its input (host.layout_like), as the fake says (the
+        # kernels allocate them so).
+        dq, dk, dv = in_layout_of(dq, q), in_layout_of(dk, k), in_layout_of(dv, v)
     return dq, dk, dv, reduce_dbias(ds, attn_bias, q, need_dbias)
 
 

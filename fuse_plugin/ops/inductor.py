@@ -15,7 +15,11 @@ launches like any user-defined Triton kernel.
 
 Where it does not apply the op stays one opaque node, exactly as before:
 * not on CUDA (the CPU reference, or the kernels in Triton's interpreter: CI's path);
-* symbolic sizes, strides or offsets (dynamic shapes: the choices above depend on them);
+* data-dependent sizes (unbacked SymInts: no value to choose the kernels by). Dynamic shapes
+  (SymInts with a hint) decompose: the launchers choose families and tiles by the hints, as for
+  the shape the graph was traced with, and guard only where correctness depends on a size
+  (``launch.hint``); the TMA and Gluon kernels, which long sequences take, keep static shapes,
+  so there the op stays opaque, its host time small against its device time;
 * ``torch.export`` (which keeps custom ops whole; AOTInductor decomposes them when it compiles
   the exported program);
 * tensor subclasses other than fake / functional tensors;
@@ -45,8 +49,11 @@ def enabled() -> bool:
     return value in ("1", "true", "on", "yes")
 
 
-def _static(t: torch.Tensor) -> bool:
-    return all(type(s) is int for s in (*t.shape, *t.stride(), t.storage_offset()))
+def _hinted(t: torch.Tensor) -> bool:
+    """Is every size, stride and offset of t an int or a SymInt with a hint (dynamic shapes,
+    not data-dependent)?"""
+    return all(type(s) is int or (isinstance(s, torch.SymInt) and s.node.has_hint())
+               for s in (*t.shape, *t.stride(), t.storage_offset()))
 
 
 def why_opaque(types, args, kwargs) -> Optional[str]:
@@ -63,8 +70,8 @@ def why_opaque(types, args, kwargs) -> Optional[str]:
     tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if not tensors or any(t.device.type != "cuda" for t in tensors):
         return "not on CUDA"
-    if not all(_static(t) for t in tensors):
-        return "symbolic sizes or strides"
+    if not all(_hinted(t) for t in tensors):
+        return "data-dependent sizes or strides"
     return None
 
 
