@@ -1,7 +1,7 @@
 """Host time per op call under torch.compile: tiny inputs, so the GPU work is negligible and the
 wall time is what the CPU spends.
 
-    python benchmarks/overhead.py [--eager] [--profile]
+    python benchmarks/overhead.py [--eager] [--profile] [--dynamic]
 
 A compiled function pays a fixed cost per call (Dynamo's guards, the runtime wrappers) whatever
 it holds, so one op alone would mostly measure that. Each row compiles a chain of N = 1 and
@@ -13,7 +13,8 @@ N = 11 calls of the op (each feeding the next, as the layers of a model do) and 
   SDPA      F.scaled_dot_product_attention (flash; the GQA heads via enable_gqa);
   Inductor rope  HF's eager rotate_half rope, which Inductor fuses into its own kernels;
 Training rows chain the attention N times, then take the gradient of q, k, v through all of them.
-With --eager: the ops and launchers called directly (no compile). Inductor's and AOTAutograd's
+With --dynamic the chains compile with dynamic=True (the length a SymInt, as Dynamo makes it
+once a model has seen two lengths). With --eager: the ops and launchers called directly (no compile). Inductor's and AOTAutograd's
 caches are off: the plugin and opaque rows compile the same Dynamo graph, and the caches do not
 see FUSE_PLUGIN_INDUCTOR_LAUNCH.
 """
@@ -32,6 +33,7 @@ import fuse_plugin  # noqa: F401
 
 OPS = torch.ops.fuse_plugin
 L, D = 64, 64
+DYNAMIC = False  # --dynamic
 
 
 def per_call_us(fn, n=1000):
@@ -114,7 +116,7 @@ def compiled_call_us(make, args, train=False, dout=None, n_calls=1000):
     times = {}
     for n in (1, 11):
         torch._dynamo.reset()
-        c = torch.compile(make(n), dynamic=False)
+        c = torch.compile(make(n), dynamic=DYNAMIC)
         if train:
             inp = [a for a in args if a.requires_grad]
             times[n] = best_of(lambda: torch.autograd.grad(c(*args), inp, dout), n=n_calls // 4)
@@ -133,7 +135,7 @@ def launches_of(make, args) -> str:
 
     torch._dynamo.reset()
     with torch.no_grad():
-        _, code = run_and_get_code(torch.compile(make(1), dynamic=False), *args)
+        _, code = run_and_get_code(torch.compile(make(1), dynamic=DYNAMIC), *args)
     code = "\n".join(code)
     names = sorted(set(re.findall(r"torch\.ops\.fuse_plugin\.(\w+)", code))
                    | set(re.findall(r"\b(\w+_kernel)_\d+\.run\(", code)))
@@ -189,13 +191,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--eager", action="store_true", help="also the eager op / launcher rows")
     parser.add_argument("--profile", action="store_true", help="cProfile of 1000 compiled fwd+bwd")
+    parser.add_argument("--dynamic", action="store_true", help="compile with dynamic=True")
     args = parser.parse_args(argv)
+    global DYNAMIC
+    DYNAMIC = args.dynamic
     torch._inductor.config.force_disable_caches = True
     rows = compiled_rows()
     if args.eager:
         rows += eager_rows()
     print(f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | host µs per op call "
-          f"(compiled: per extra op in a chain; best of 3 runs; bf16, B 1, L {L}, D {D}, GQA 4/1)")
+          f"(compiled{' dynamic=True' if DYNAMIC else ''}: per extra op in a chain; best of 3 runs; bf16, "
+          f"B 1, L {L}, D {D}, GQA 4/1)")
     for name, us in rows:
         print(f"  {name:70} {us:8.1f}")
     if args.profile:
