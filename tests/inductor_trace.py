@@ -211,6 +211,7 @@ def symbolic_case(L: int, B: int = 2, Hq: int = 8, Hkv: int = 2, D: int = 64, is
         return env.create_symintnode(env.create_symbol(n, ConstantSource(name)), hint=n)
 
     length = sym("L", L)
+    symbol = str(length.node.expr)  # (before the trace: a guard pinning it would replace it)
     lq = length if Lq is None else Lq
     if all_dynamic:  # torch.compile(dynamic=True): every dim but those of size 0/1 a SymInt
         B, Hq, Hkv, D = sym("B", B), sym("Hq", Hq), sym("Hkv", Hkv), sym("D", D)
@@ -231,7 +232,36 @@ def symbolic_case(L: int, B: int = 2, Hq: int = 8, Hkv: int = 2, D: int = 64, is
         seed = extra[-1] if p else None
         return attention_pair(q, k, v, dout, bias, is_causal, p=p, seed=seed)
 
-    return dict(summary(trace(fn, q, k, v, dout, *extra)), guards=[str(g.expr) for g in env.guards])
+    return dict(summary(trace(fn, q, k, v, dout, *extra)), guards=[str(g.expr) for g in env.guards],
+                length=symbol)
+
+
+def symbolic_rope_case(L: int) -> dict:
+    """The rope fold (rope_attention) under dynamic shapes, q/k/v head-split views of their
+    projections (GQA 8/2: the backward sums the split's dK/dV partials)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    length = env.create_symintnode(env.create_symbol(L, ConstantSource("L")), hint=L)
+    symbol = str(length.node.expr)
+    with FakeTensorMode(shape_env=env):
+        q = torch.randn(1, length, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        k, v = (torch.randn(1, length, 2, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                for _ in range(2))
+        dout = torch.randn(1, 8, length, 64, device="cuda", dtype=torch.bfloat16)
+        cos, sin = (torch.randn(1, 1, length, 64, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+
+    def fn(q, k, v, dout, cos, sin):
+        out, lse = OPS.rope_attention(q, k, v, cos, sin, False, 64, None, 0.0, True, 0.125)
+        g = OPS.rope_attention_backward(dout, q, k, v, cos, sin, False, 64, None, out, lse, 0.0,
+                                        True, 0.125, None, False, False)
+        return out, g[0], g[1], g[2]
+
+    return dict(summary(trace(fn, q, k, v, dout, cos, sin)), guards=[str(g.expr) for g in env.guards],
+                length=symbol)
 
 
 SYMBOLIC_CASES = {
@@ -242,6 +272,7 @@ SYMBOLIC_CASES = {
     "symbolic_decode": lambda: symbolic_case(1000, Lq=1, is_causal=False),  # a KV-cache step
     "symbolic_tma": lambda: symbolic_case(16384, B=4, Hq=16, Hkv=16, D=128),  # TMA: opaque
     "symbolic_all": lambda: symbolic_case(300, all_dynamic=True),
+    "symbolic_rope": lambda: symbolic_rope_case(500),
 }
 
 

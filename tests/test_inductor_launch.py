@@ -194,6 +194,8 @@ def test_ops_stay_opaque_where_they_should(traced, name):
     ("symbolic_1000", [FWD, PRE, ATOMIC]),
     ("symbolic_bert", [FWD, ATOMIC]),  # padding mask, dropout
     ("symbolic_decode", [DECODE_SPLIT, DECODE_COMBINE, PRE, ATOMIC]),  # split count by the hint
+    ("symbolic_rope", [FWD, PRE, ATOMIC, "attention_dq_rope_cast_kernel"]),  # the rope fold
+    ("symbolic_all", [FWD, PRE, ATOMIC]),  # dynamic=True: heads and head dims pinned
 ])
 def test_dynamic_shapes_become_kernel_launches(traced, name, expected):
     """Dynamic shapes (a SymInt length, as Dynamo makes it once a length changed): the ops still
@@ -204,10 +206,13 @@ def test_dynamic_shapes_become_kernel_launches(traced, name, expected):
     case = traced[name]
     assert_fully_traced(case)
     assert kernels(case) == expected
-    pinned = [g for g in case["guards"] if re.fullmatch(r"(Eq|Ne)\(s\d+, -?\d+\)", g)]
+    length = case["length"]  # the length's symbol
+    pinned = [g for g in case["guards"] if re.fullmatch(rf"(Eq|Ne)\({length}, -?\d+\)", g)]
     assert pinned == [], pinned
-    if name != "symbolic_decode":  # (the split buffers add identities such as Max(1, n) = n)
-        assert len(case["guards"]) <= 2, case["guards"]
+    if name not in ("symbolic_decode", "symbolic_all"):  # (decode: identities of its split
+        assert len(case["guards"]) <= 2, case["guards"]  # buffers; all: the pinned head dims)
+    if name in ("symbolic_rope", "symbolic_all"):  # GQA split: dK/dV partials summed in place
+        assert len(case["copies"]) == (1 if name == "symbolic_all" else 0), case["copies"]
 
 
 def test_dynamic_shapes_with_tma_kernels_stay_opaque(traced):

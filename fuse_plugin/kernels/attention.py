@@ -162,7 +162,7 @@ from .attention_decode import attention_decode_forward
 from .attention_fwd import attention_fwd_kernel
 from .attention_fwd_tma import attention_fwd_tma_kernel
 from . import host
-from .host import in_layout_of, layout_like
+from .host import in_layout_of, layout_like, layout_order
 from .attention_config import (  # noqa: F401  (some only re-exported: tune.py, tests)
     _GLUON_BWD_KERNELS,
     _GLUON_KERNELS,
@@ -659,9 +659,14 @@ def _launch_fwd_tma(q, k, v, out, lse, is_causal, scale, cfg):
 
 def _sum_partials(parts: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
     """The GQA split's fp32 partials (split, ...) summed in a fixed order into ``into``'s dtype
-    (eager: written into ``into``; traced: a new tensor, one Inductor reduction)."""
+    (eager: written into ``into``; traced: a new tensor laid out as ``into``, one Inductor
+    reduction: the sum runs over the partials seen in ``into``'s memory order, so that its
+    natural output is that layout and no copy follows)."""
     if is_tracing():
-        return in_layout_of(parts.sum(0).to(into.dtype), into)
+        order = layout_order(into)
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        seen = parts.permute(0, *(1 + d for d in order))
+        return in_layout_of(seen.sum(0).to(into.dtype).permute(inverse), into)
     return into.copy_(parts.sum(0))
 
 

@@ -36,7 +36,7 @@ def dropout_scale(dropout_p: float) -> float:
     return 2**16 / (2**16 - dropout_threshold(dropout_p))
 
 
-def _layout_order(x: torch.Tensor) -> list:
+def layout_order(x: torch.Tensor) -> list:
     """x's dims from outermost to innermost in memory (by stride, ties in dim order), the last
     dim innermost: the order of ``layout_like``'s dense result. The identity (contiguous) unless x
     has at most 4 dims and a unit last stride."""
@@ -48,7 +48,7 @@ def _layout_order(x: torch.Tensor) -> list:
 
 def layout_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised dense tensor of x's shape and ``dtype`` whose dims lie in memory in x's
-    order (``_layout_order``: x's own strides where x is dense; contiguous unless x has at most 4
+    order (``layout_order``: x's own strides where x is dense; contiguous unless x has at most 4
     dims and a unit last stride). cuDNN's attention gradients follow the same rule (torch's
     ``alloc_with_matching_layout``). The outputs that mirror an input use it, in the real and the
     fake implementations alike: the rotations' outputs and the attention gradients dq/dk/dv.
@@ -56,7 +56,7 @@ def layout_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     transposed); a result laid out the same leaves the head merge after it a view, with no copy
     kernel (BERT on the H100: three 5 µs copies per layer and step while the gradients were
     contiguous)."""
-    order, strides, step = _layout_order(x), [0] * x.dim(), 1
+    order, strides, step = layout_order(x), [0] * x.dim(), 1
     for d in reversed(order):
         strides[d] = step
         step *= max(x.shape[d], 1)
@@ -67,7 +67,7 @@ def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``t`` (shaped as ``like``) laid out as ``layout_like(like, ...)``: t itself when its dims
     of size > 1 already lie in that order densely, else a copy (spelt as the copy op itself,
     ``aten._to_copy``, which also traces on fake CUDA tensors in a CPU build of torch)."""
-    order = _layout_order(like)
+    order = layout_order(like)
     permuted = t.permute(order)
     if permuted.is_contiguous():
         return t
