@@ -147,9 +147,9 @@ def test_gluon_kernels_under_compile():
 
 def test_dynamic_shapes_launch_the_kernels_and_match_eager():
     """Dynamic shapes: the ops still decompose into Inductor's launches (tiles chosen by the
-    traced length's hint, kernels/launch.hint), inference and training match eager at lengths
-    the graph was not traced with, and lengths on one side of the one-launch backward's bound
-    (128 keys) share one graph."""
+    traced length's hint, kernels/launch.hint; guards at the family bounds), inference and
+    training match eager at lengths the graph was not traced with, and lengths within one
+    family region share one graph."""
     from torch._dynamo.utils import counters
 
     ref, model = model_pair()
@@ -163,7 +163,8 @@ def test_dynamic_shapes_launch_the_kernels_and_match_eager():
             if code is not None:
                 assert_launched_by_inductor(code)
             assert as_accurate(rel(out, ref(ids)), rel(model(ids), ref(ids))), n
-    # one graph for 300 / 257 / 1000, one more once 100 and 77 cross the 128-key bound
+    # a graph per family region the lengths fall in: below cuDNN's forward bound (512 tokens:
+    # 300, 257, 100, 77) and above it (1000); tiles never add one (chosen by the hint)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
     def grads(m, fn, ids):

@@ -200,17 +200,19 @@ def test_ops_stay_opaque_where_they_should(traced, name):
 def test_dynamic_shapes_become_kernel_launches(traced, name, expected):
     """Dynamic shapes (a SymInt length, as Dynamo makes it once a length changed): the ops still
     become Inductor's launches (before, they stayed opaque: ~0.2-0.45 ms of host time per call).
-    Families and tiles are chosen by the length's hint; guards only bound what correctness needs
-    (one key block or not, int32 tile offsets): none pins the length to a value, so other
-    lengths reuse the graph."""
+    Tiles are chosen by the length's hint; guards bound only the kernel families (decode,
+    cuDNN, the TMA/Gluon size threshold) and what correctness needs (one key block or not, int32
+    tile offsets): none pins the length to a value, so other lengths reuse the graph."""
     case = traced[name]
     assert_fully_traced(case)
     assert kernels(case) == expected
     length = case["length"]  # the length's symbol
     pinned = [g for g in case["guards"] if re.fullmatch(rf"(Eq|Ne)\({length}, -?\d+\)", g)]
     assert pinned == [], pinned
+    if name == "symbolic_decode":  # the decode family's bound is a guard: no graph traced at a
+        assert f"{length} >= 256" in case["guards"]  # short cache keeps the general kernel
     if name not in ("symbolic_decode", "symbolic_all"):  # (decode: identities of its split
-        assert len(case["guards"]) <= 2, case["guards"]  # buffers; all: the pinned head dims)
+        assert len(case["guards"]) <= 5, case["guards"]  # buffers; all: the pinned head dims)
     if name in ("symbolic_rope", "symbolic_all"):  # GQA split: dK/dV partials summed in place
         assert len(case["copies"]) == (1 if name == "symbolic_all" else 0), case["copies"]
 

@@ -590,11 +590,12 @@ def _host_heavy_traced_ineligible(q, k, is_causal: bool, what: str) -> Optional[
         return None
     from torch._inductor import config
 
-    B, Hq, Lq, D = map(hint, q.shape)
-    flops = 4 * B * Hq * Lq * hint(k.shape[2]) * D * (0.5 if is_causal else 1.0)
-    if flops < _HOST_HEAVY_TRACED_MIN_FLOPS and not config.triton.cudagraphs:
-        return (f"compiled, {flops:.2g} FLOPs are too few to cover the host time of {what} "
-                f"(< {_HOST_HEAVY_TRACED_MIN_FLOPS:.2g})")
+    B, Hq, Lq, D = q.shape
+    flops = 4 * B * Hq * Lq * k.shape[2] * D  # (a family boundary: a guard if dynamic)
+    if flops * (0.5 if is_causal else 1.0) < _HOST_HEAVY_TRACED_MIN_FLOPS \
+            and not config.triton.cudagraphs:
+        return (f"compiled, {hint(flops) * (0.5 if is_causal else 1.0):.2g} FLOPs are too few "
+                f"to cover the host time of {what} (< {_HOST_HEAVY_TRACED_MIN_FLOPS:.2g})")
     return None
 
 
@@ -763,9 +764,11 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     lse = _empty((B, Hq, Lq), torch.float32, q.device)
     if B * Hq == 0:
         return out, lse
-    # Speed-only choices by the sizes' hints (launch.hint: dynamic shapes add no guard here).
+    # The family by the sizes themselves (with dynamic shapes, a guard at each boundary: few
+    # recompiles, and no graph keeps a slower family at other lengths); the tiles within it
+    # by their hints (launch.hint: no guard at every table bucket).
     Lq_h, Lk_h = hint(Lq), hint(Lk)
-    if _forward_family(Lq_h, Lk_h, config is not None, rope is not None, dropout_p != 0.0,
+    if _forward_family(Lq, Lk, config is not None, rope is not None, dropout_p != 0.0,
                        softcap != 0.0, replace is not None) == "decode":
         _bias_args(bias, q)  # the same errors as the general path
         return attention_decode_forward(q, k, v, bias, is_causal=is_causal, scale=scale,

@@ -35,7 +35,6 @@ from typing import Optional
 
 import torch
 
-from .launch import hint
 
 aten = torch.ops.aten
 
@@ -75,7 +74,9 @@ def why_not(q, k, v, bias, *, is_causal: bool, capability: tuple[int, int], drop
 def family(direction: str, q, k, v, bias, **flags) -> Optional[str]:
     """"cudnn" where cuDNN runs this call (eligible and at least ``*_MIN_LEN`` long), else None."""
     least = FWD_MIN_LEN if direction == "fwd" else BWD_MIN_LEN
-    if min(hint(q.shape[2]), hint(k.shape[2])) < least:  # speed only: no guard (launch.hint)
+    # A family boundary: with dynamic shapes a guard (a recompile across it), so that a graph
+    # traced at one length does not keep the slower family at another (launch.hint).
+    if q.shape[2] < least or k.shape[2] < least:
         return None
     return "cudnn" if why_not(q, k, v, bias, **flags) is None else None
 

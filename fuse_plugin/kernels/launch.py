@@ -70,10 +70,11 @@ def is_tracing() -> bool:
 
 def hint(n) -> int:
     """A size as a plain int without adding a guard: an int as it is, a SymInt (dynamic shapes)
-    as its hint, the value the graph is being traced with. For choices that only change speed
-    (kernel family, tiles, splits): a graph compiled for dynamic shapes keeps the choice of the
-    shape it was traced with for every shape it runs, and the launchers compare the SymInt
-    itself (a guard: Dynamo recompiles across it) only where correctness depends on a size."""
+    as its hint, the value the graph is being traced with. For choices within a kernel family
+    that only change speed (tiles, splits, the GQA split): a graph compiled for dynamic shapes
+    keeps the choice of the shape it was traced with for every shape it runs. The launchers
+    compare the SymInt itself (a guard: Dynamo recompiles across it) where correctness depends
+    on a size and at the few family boundaries (decode, cuDNN, the TMA/Gluon size threshold)."""
     if isinstance(n, torch.SymInt):
         if not n.node.has_hint():
             raise Untraceable("a data-dependent size (no hint to choose kernels by)")
