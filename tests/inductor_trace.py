@@ -196,7 +196,7 @@ def rope_attention_case():
 
 
 def symbolic_case(L: int, B: int = 2, Hq: int = 8, Hkv: int = 2, D: int = 64, is_causal=True,
-                  Lq=None, mask=None, p=0.0, all_dynamic=False) -> dict:
+                  Lq=None, mask=None, p=0.0, all_dynamic=False, dtype=torch.bfloat16) -> dict:
     """Dynamic shapes: the keys' length (and the queries', unless ``Lq`` is given) a SymInt with
     hint L, as Dynamo makes it for a dimension it has seen change (``all_dynamic``: the batch,
     head counts and head dim too). The summary adds the guards the trace added (what Dynamo
@@ -217,20 +217,25 @@ def symbolic_case(L: int, B: int = 2, Hq: int = 8, Hkv: int = 2, D: int = 64, is
         B, Hq, Hkv, D = sym("B", B), sym("Hq", Hq), sym("Hkv", Hkv), sym("D", D)
     mode = FakeTensorMode(shape_env=env)
     with mode:
-        q = torch.randn(B, lq, Hq, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-        k, v = (torch.randn(B, length, Hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+        q = torch.randn(B, lq, Hq, D, device="cuda", dtype=dtype).transpose(1, 2)
+        k, v = (torch.randn(B, length, Hkv, D, device="cuda", dtype=dtype).transpose(1, 2)
                 for _ in range(2))
-        dout = torch.randn(B, Hq, lq, D, device="cuda", dtype=torch.bfloat16)
+        dout = torch.randn(B, Hq, lq, D, device="cuda", dtype=dtype)
         extra = []
         if mask == "bool":  # a padding mask, as BERT's
             extra.append(torch.ones(B, 1, 1, length, dtype=torch.bool, device="cuda"))
+        elif mask == "float":  # a materialised float mask with its gradient, and a replace mask
+            extra.append(torch.randn(B, 1, lq, length, dtype=dtype, device="cuda"))
+            extra.append(torch.zeros(B, 1, lq, length, dtype=torch.bool, device="cuda"))
         if p:
             extra.append(torch.zeros((), dtype=torch.int64, device="cuda"))
 
     def fn(q, k, v, dout, *extra):
         bias = extra[0] if mask else None
+        replace = extra[1] if mask == "float" else None
         seed = extra[-1] if p else None
-        return attention_pair(q, k, v, dout, bias, is_causal, p=p, seed=seed)
+        return attention_pair(q, k, v, dout, bias, is_causal, mask == "float", p=p, seed=seed,
+                              replace=replace)
 
     return dict(summary(trace(fn, q, k, v, dout, *extra)), guards=[str(g.expr) for g in env.guards],
                 length=symbol)
@@ -273,6 +278,9 @@ SYMBOLIC_CASES = {
     "symbolic_tma": lambda: symbolic_case(16384, B=4, Hq=16, Hkv=16, D=128),  # TMA: opaque
     "symbolic_all": lambda: symbolic_case(300, all_dynamic=True),
     "symbolic_rope": lambda: symbolic_rope_case(500),
+    # fp32, D 80 (split head dim), a float mask with dbias and a replace mask, dropout
+    "symbolic_float_mask": lambda: symbolic_case(700, D=80, mask="float", p=0.1,
+                                                 dtype=torch.float32),
 }
 
 

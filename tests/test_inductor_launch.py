@@ -196,6 +196,7 @@ def test_ops_stay_opaque_where_they_should(traced, name):
     ("symbolic_decode", [DECODE_SPLIT, DECODE_COMBINE, PRE, ATOMIC]),  # split count by the hint
     ("symbolic_rope", [FWD, PRE, ATOMIC, "attention_dq_rope_cast_kernel"]),  # the rope fold
     ("symbolic_all", [FWD, PRE, ATOMIC]),  # dynamic=True: heads and head dims pinned
+    ("symbolic_float_mask", [FWD, PRE, ATOMIC]),  # fp32, D 80, dbias, replace mask, dropout
 ])
 def test_dynamic_shapes_become_kernel_launches(traced, name, expected):
     """Dynamic shapes (a SymInt length, as Dynamo makes it once a length changed): the ops still
