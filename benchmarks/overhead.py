@@ -14,9 +14,9 @@ N = 11 calls of the op (each feeding the next, as the layers of a model do) and 
   Inductor rope  HF's eager rotate_half rope, which Inductor fuses into its own kernels;
 Training rows chain the attention N times, then take the gradient of q, k, v through all of them.
 With --dynamic the chains compile with dynamic=True (the length a SymInt, as Dynamo makes it
-once a model has seen two lengths). With --eager: the ops and launchers called directly (no compile). Inductor's and AOTAutograd's
-caches are off: the plugin and opaque rows compile the same Dynamo graph, and the caches do not
-see FUSE_PLUGIN_INDUCTOR_LAUNCH.
+once a model has seen two lengths). With --eager: the ops and launchers called directly (no
+compile). Inductor's and AOTAutograd's caches are off: the plugin and opaque rows compile the
+same Dynamo graph, and the caches do not see FUSE_PLUGIN_INDUCTOR_LAUNCH.
 """
 from __future__ import annotations
 

@@ -31,9 +31,10 @@ by 10-30% over minutes, and interleaving puts that drift on every variant alike 
 measured one after another, minutes apart, disagreed with each other by that much: RESULTS.md,
 stop 14). The last table: host µs per op call (overhead.py's compiled rows) next to SDPA's.
 
-``--profile N`` then profiles N more steps of each variant (torch.profiler, kernels inside CUDA-graph
-replays included) and prints per step: wall, GPU kernel time and count, the host's synchronising
-calls, and the kernels by time, so that a row's gap can be placed (on the device or on the host).
+``--profile N`` then profiles N more steps of each variant (torch.profiler, kernels inside
+CUDA-graph replays included) and prints per step: the host's time to issue a step, wall, GPU
+kernel time and count, the host's synchronising calls, and the kernels by time, so that a row's
+gap can be placed (on the device or on the host).
 """
 from __future__ import annotations
 
@@ -256,8 +257,8 @@ SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 def profile_steps(step, n: int, title: str, top: int = 25) -> str:
     """--profile: where n steps of one cell spend their time, per step: the host's time to issue a
     step (median over n steps, each started on an idle GPU), then under the profiler: wall, the
-    summed time and count of GPU kernels, the host's synchronising calls (any of SYNCS, with their count), and the
-    top kernels by GPU time (names cut to 60 characters)."""
+    summed time and count of GPU kernels, the host's synchronising calls (any of SYNCS, with
+    their count), and the top kernels by GPU time (names cut to 60 characters)."""
     from torch.profiler import ProfilerActivity, profile
 
     issue = []

@@ -23,8 +23,9 @@ Shapes and layouts
   strides (unit last stride).
 * Backward: ``dq``/``dk``/``dv`` shaped/typed as q/k/v, dense, their dims in q/k/v's memory
   order where those have a unit last stride, else contiguous (``host.layout_like``, as the op's
-  fake and as cuDNN's gradients: the head merge of a gradient is then a view); optional ``dbias`` is the fp32 (B, Hq, Lq, Lk)
-  gradient dS of the scores (the caller reduces it to the bias's shape).
+  fake and as cuDNN's gradients: the head merge of a gradient is then a view); optional
+  ``dbias`` is the fp32 (B, Hq, Lq, Lk) gradient dS of the scores (the caller reduces it to the
+  bias's shape).
 * cuDNN: plain problems where cuDNN's fused attention was measured faster than these kernels
   (no bias, dropout, softcap, replace or rope; fp16/bf16, D <= 128, sm 90; forward from 512
   tokens, backward from 160, fed our out and lse) run it instead (attention_cudnn.py), unless
@@ -162,7 +163,7 @@ from .attention_decode import attention_decode_forward
 from .attention_fwd import attention_fwd_kernel
 from .attention_fwd_tma import attention_fwd_tma_kernel
 from . import host
-from .host import in_layout_of, layout_like, layout_order
+from .host import in_layout_of, inverse_order, layout_like, layout_order
 from .attention_config import (  # noqa: F401  (some only re-exported: tune.py, tests)
     _GLUON_BWD_KERNELS,
     _GLUON_KERNELS,
@@ -665,9 +666,8 @@ def _sum_partials(parts: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
     natural output is that layout and no copy follows)."""
     if is_tracing():
         order = layout_order(into)
-        inverse = sorted(range(len(order)), key=order.__getitem__)
         seen = parts.permute(0, *(1 + d for d in order))
-        return in_layout_of(seen.sum(0).to(into.dtype).permute(inverse), into)
+        return seen.sum(0).to(into.dtype).permute(inverse_order(order))
     return into.copy_(parts.sum(0))
 
 
@@ -893,7 +893,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         return (*(in_layout_of(g, x) for g, x in zip(grads, inputs)), None)
     dev = q.device
     if B * Hq == 0:
-        return (_empty((B, Hq, Lq, D), q.dtype, dev, q_in), _empty((B, Hkv, Lk, D), k.dtype, dev, k_in),
+        return (_empty((B, Hq, Lq, D), q.dtype, dev, q_in),
+                _empty((B, Hkv, Lk, D), k.dtype, dev, k_in),
                 _empty((B, Hkv, Lk, Dv), v.dtype, dev, v_in),
                 _empty((B, Hq, Lq, Lk), torch.float32, dev) if need_dbias else None)
 
@@ -1110,8 +1111,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
             # Inductor fuses the scale, the cast and the layout into one pointwise kernel.
             dq = in_layout_of((dqa * scale).to(q.dtype), q_in)
         else:
-            launch(attention_dq_cast_kernel, (_cdiv(dq.numel(), 1024),), dqa, dq, dq.numel(), *dq.stride(),
-                   Hq, Lq, D, scale, BLOCK=1024, num_warps=4, writes=("DQ",))
+            n = dq.numel()
+            launch(attention_dq_cast_kernel, (_cdiv(n, 1024),), dqa, dq, n, *dq.stride(), Hq, Lq,
+                   D, scale, BLOCK=1024, num_warps=4, writes=("DQ",))
         return dq, dk, dv, dbias
 
     delta, row_m, row_r, _ = preprocess()

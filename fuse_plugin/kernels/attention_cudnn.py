@@ -35,7 +35,6 @@ from typing import Optional
 
 import torch
 
-
 aten = torch.ops.aten
 
 FWD_MIN_LEN = 512  # Lq and Lk: cuDNN's forward ties ours at 512 and wins from there up

@@ -46,6 +46,11 @@ def layout_order(x: torch.Tensor) -> list:
     return sorted(range(n), key=lambda d: (d == n - 1, -x.stride(d), d))
 
 
+def inverse_order(order: list) -> list:
+    """The permutation that undoes ``t.permute(order)``."""
+    return sorted(range(len(order)), key=order.__getitem__)
+
+
 def layout_like(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised dense tensor of x's shape and ``dtype`` whose dims lie in memory in x's
     order (``layout_order``: x's own strides where x is dense; contiguous unless x has at most 4
@@ -71,8 +76,8 @@ def in_layout_of(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     permuted = t.permute(order)
     if permuted.is_contiguous():
         return t
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return torch.ops.aten._to_copy(permuted, memory_format=torch.contiguous_format).permute(inverse)
+    return torch.ops.aten._to_copy(permuted, memory_format=torch.contiguous_format).permute(
+        inverse_order(order))
 
 
 def bool_operand(t: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,8 @@ Where it does not apply the op stays one opaque node, exactly as before:
 * data-dependent sizes (unbacked SymInts: no value to choose the kernels by). Dynamic shapes
   (SymInts with a hint) decompose: the launchers choose tiles by the hints, as for the shape the
   graph was traced with, and guard where correctness depends on a size and at the few family
-  boundaries (``launch.hint``); the TMA and Gluon kernels, which long sequences take, keep static shapes,
-  so there the op stays opaque, its host time small against its device time;
+  boundaries (``launch.hint``); the TMA and Gluon kernels, which long sequences take, keep
+  static shapes, so there the op stays opaque, its host time small against its device time;
 * ``torch.export`` (which keeps custom ops whole; AOTInductor decomposes them when it compiles
   the exported program);
 * tensor subclasses other than fake / functional tensors;

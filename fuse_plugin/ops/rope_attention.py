@@ -170,7 +170,8 @@ def _(dout, q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, out, lse, dro
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     dcos = cos.new_empty(cos.shape) if need_dtables else q.new_empty((0,))
     dsin = sin.new_empty(sin.shape) if need_dtables else q.new_empty((0,))
-    return layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype), dbias, dcos, dsin
+    return (layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype), dbias, dcos,
+            dsin)
 
 
 def _setup_context(ctx, inputs, output):
