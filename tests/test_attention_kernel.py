@@ -72,6 +72,10 @@ def make_bias(kind, B, Hq, Lq, Lk, dtype):
         return (2 * torch.randn(1, 1, Lq, Lk, device=DEVICE)).to(dtype).expand(shape)
     if kind == "float_b1":  # per (batch, key): a padding-style bias
         return (2 * torch.randn(B, 1, 1, Lk, device=DEVICE)).to(dtype).expand(shape)
+    if kind == "bool_b1":  # per (batch, key): a key-padding mask; key 0 kept (no dead row)
+        keep = torch.rand(B, 1, 1, Lk, device=DEVICE) > 0.4
+        keep[..., 0] = True
+        return keep.expand(shape)
     if kind == "bool_b1q":  # per (batch, query, key); key 0 always kept so no row is dead
         keep = torch.rand(B, 1, Lq, Lk, device=DEVICE) > 0.4
         keep[..., 0] = True
@@ -176,6 +180,10 @@ CASES = {
     "bf16-mqa-causal-boolbias-d80-transposed": dict(
         dtype=torch.bfloat16, B=1, Hq=4, Hkv=1, Lq=33, Lk=33, D=80, Dv=80, causal=True,
         bias="bool_b1q", transposed=True, dout_kind="expanded", config=(16, 32, 4, 1)),
+    # A bool key-padding mask (read one value per key, BIAS_KEYS), GQA, causal, Lq < Lk.
+    "fp16-gqa-causal-boolpadding": dict(
+        dtype=torch.float16, B=2, Hq=4, Hkv=2, Lq=33, Lk=40, D=32, Dv=32, causal=True,
+        bias="bool_b1", config=(16, 16, 4, 1)),
     # bf16, no bias, GQA, default tiles, Lq != Lk.
     "bf16-nobias-gqa": dict(
         dtype=torch.bfloat16, B=1, Hq=4, Hkv=2, Lq=33, Lk=17, D=16, Dv=16, causal=False,
@@ -274,6 +282,9 @@ ONE_BLOCK_CASES = {
     "bf16-split-d80-causal-lq-gt-lk": dict(
         dtype=torch.bfloat16, B=1, Hq=2, Hkv=2, Lq=45, Lk=20, D=80, Dv=80, causal=True,
         bias=None, config_bwd=(16, 32, 4, 1, True)),
+    "bf16-boolpadding-transposed": dict(
+        dtype=torch.bfloat16, B=2, Hq=2, Hkv=1, Lq=40, Lk=30, D=32, Dv=32, causal=False,
+        bias="bool_b1", transposed=True, config_bwd=(16, 32, 4, 1)),
     "fp32-gqa-split-expanded-dout": dict(
         dtype=torch.float32, B=1, Hq=8, Hkv=2, Lq=24, Lk=16, D=32, Dv=16, causal=False,
         bias=None, dout_kind="expanded", config_bwd=(16, 16, 4, 1), group_split=2),
@@ -491,6 +502,40 @@ class _LaunchSpy:
     def __getitem__(self, grid):
         self.launches += 1
         return self.kernel[grid]
+
+
+class _ArgSpy(_LaunchSpy):
+    """A launch spy that also keeps each launch's keyword arguments (the constexprs)."""
+
+    def __init__(self, kernel):
+        super().__init__(kernel)
+        self.kwargs = []
+
+    def __getitem__(self, grid):
+        launch = super().__getitem__(grid)
+
+        def call(*args, **kwargs):
+            self.kwargs.append(kwargs)
+            return launch(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("bias,keys", [("float_b1", True), ("bool_b1", True),
+                                       ("float_11", False), ("bool_b1q", False)])
+def test_key_padding_bias_is_read_per_key(monkeypatch, bias, keys, deterministic):
+    """A bias with query stride 0 (a padding mask broadcast over the queries) is read one value
+    per key (BIAS_KEYS) by the forward and every backward kernel that reads the bias; a bias
+    that varies over queries is read as tiles. Results against float64 as everywhere."""
+    names = ("attention_fwd_kernel", "attention_bwd_kernel", "attention_bwd_preprocess_kernel",
+             "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel")
+    spies = {n: _ArgSpy(getattr(attn, n)) for n in names}
+    for n, spy in spies.items():
+        monkeypatch.setattr(attn, n, spy)
+    run_case(dtype=torch.float32, B=2, Hq=2, Hkv=1, Lq=20, Lk=40, D=16, Dv=16, causal=False,
+             bias=bias, config=(16, 16, 4, 1), deterministic=deterministic)
+    seen = [kw["BIAS_KEYS"] for spy in spies.values() for kw in spy.kwargs]
+    assert len(seen) >= 3 and set(seen) == {keys}, seen
 
 
 @pytest.mark.parametrize("case", list(TMA_CASES.values()), ids=list(TMA_CASES))

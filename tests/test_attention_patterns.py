@@ -449,6 +449,49 @@ fused: scale=1, run-time scale applied to q""")
 --- report ---
 fused: scale=0.25, bias: additive mask""")
 
+    def test_hf_padding_mask_given_per_key(self):
+        """HF's BERT-style padding mask (transformers' sdpa/eager mask functions): the query term
+        `(arange(L) + 0 >= 0)` is True everywhere, so the (B, 1, L, L) mask is the padding row
+        broadcast; the op is given where(pad, 0, min) at (B, 1, 1, L), which the kernels read one
+        value per key."""
+        def f(q, k, v, attention_mask):
+            qi = (torch.arange(L) + 0)[None, None, :, None]
+            ki = torch.arange(L)[None, None, None, :]
+            bi = torch.arange(B)[:, None, None, None]
+            keep = qi.new_ones((), dtype=torch.bool) & (qi >= 0)
+            keep = keep & attention_mask.to(torch.bool)[bi, ki]
+            mask = torch.where(keep.expand(B, -1, L, L), torch.zeros(()), torch.finfo(torch.float32).min)
+            w = q @ k.transpose(-2, -1) * 0.25 + mask
+            return F.softmax(w, dim=-1) @ v
+
+        pad = torch.ones(B, L, dtype=torch.long)
+        pad[1, 5:] = 0
+        _, after, report = capture(f, *qkv(), pad)
+        op = [line for line in after.splitlines() if "fuse_plugin.attention" in line][0]
+        bias = re.search(r"attention\(#\d+, #\d+, #\d+, #(\d+)", op).group(1)
+        line = [x for x in after.splitlines() if x.startswith(f"{bias} ")][0]
+        self.assertTrue(line.startswith(f"{bias} where("), line)
+        self.assertIn("additive mask, per key", report.sites[0].detail)
+        x = qkv()
+        got = torch.compile(f, backend=rewrite_aot_eager)(*x, pad)  # same values as eager
+        torch._dynamo.reset()
+        torch.testing.assert_close(got, f(*x, pad))
+
+    def test_hf_padding_mask_near_miss_keeps_the_full_mask(self):
+        """Near miss: `arange(L) >= 1` is False on query 0, so the mask varies over the queries:
+        the op is given the (B, 1, L, L) mask itself."""
+        def f(q, k, v, attention_mask):
+            qi = torch.arange(L)[None, None, :, None]
+            keep = (qi >= 1) & attention_mask.to(torch.bool)[:, None, None, :]
+            mask = torch.where(keep.expand(B, -1, L, L), torch.zeros(()), torch.finfo(torch.float32).min)
+            w = q @ k.transpose(-2, -1) * 0.25 + mask
+            return F.softmax(w, dim=-1) @ v
+
+        _, _, report = capture(f, *qkv(), torch.ones(B, L, dtype=torch.long))
+        self.assertEqual(len(report.sites), 1)
+        self.assertIn("bias: additive mask", report.sites[0].detail)
+        self.assertNotIn("per key", report.sites[0].detail)
+
     def test_hf_sliced_mask(self):
         def f(q, k, v, causal_mask):
             w = torch.matmul(q, k.transpose(2, 3)) * 0.25

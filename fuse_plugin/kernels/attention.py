@@ -188,6 +188,7 @@ from .attention_config import (  # noqa: F401  (some only re-exported: tune.py, 
 from .host import FLOAT_BIAS as _FLOAT_BIAS
 from .host import NO_BIAS as _NO_BIAS
 from .host import bias_args as _bias_args
+from .host import bias_over_keys as _bias_over_keys
 from .host import cdiv as _cdiv
 from .host import dropout_scale, dropout_threshold
 
@@ -848,6 +849,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float,
             Hq, Hq // Hkv, Lq, Lk, score_scale, seed, drop_thresh, inv_keep, cap, D, Dv,
             IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, SCALE_POS=bool(scale >= 0),
             DROPOUT=dropout, SOFTCAP=softcapped, HAS_REPLACE=has_rep,
+            BIAS_KEYS=_bias_over_keys(kind, sb),
             PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q),
             BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **rc,
             writes=("Out", "Lse"),
@@ -983,6 +985,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     if not user_given and not deterministic:
         cfg = _rope_adjust("bwd", cfg, q.dtype, rc)
     common = dict(IS_CAUSAL=bool(is_causal), BIAS_KIND=kind, HAS_REPLACE=has_rep,
+                  BIAS_KEYS=_bias_over_keys(kind, sb),
                   PRECISION=_dot_precision(q), UPCAST_DOT=_upcast_dot(q))
     # The atomic-free kernels and the preprocess read q/k whole (one tile) or as the rope parts.
     one = _qk_parts(D, False, rc)

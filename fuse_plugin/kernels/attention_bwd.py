@@ -68,7 +68,7 @@ def attention_bwd_preprocess_kernel(
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
     Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, cap,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ZERO_DQ: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_REPLACE: tl.constexpr,
+    HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -135,7 +135,7 @@ def attention_bwd_preprocess_kernel(
                 s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :],
                                          Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
                                          stride_rm, stride_rn, score_scale, cap, IS_CAUSAL,
-                                         BIAS_KIND, True, SOFTCAP, HAS_REPLACE)
+                                         BIAS_KIND, True, SOFTCAP, HAS_REPLACE, BIAS_KEYS)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 l_i = l_i * _exp(m_i - m_ref, True) + tl.sum(_exp(s - m_ref[:, None], True), 1)
@@ -163,6 +163,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
               o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base, stride_dqm,
               stride_dqd, sm_scale, ONE_KEY_BLOCK: tl.constexpr,
               DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
+              BIAS_KEYS: tl.constexpr,
               D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr,
               Dv: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
@@ -203,7 +204,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
         s_t, t_t, rep_t = _capped_scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None],
                                          Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
                                          stride_rm, stride_rn, score_scale, cap, IS_CAUSAL,
-                                         BIAS_KIND, MASK, SOFTCAP, HAS_REPLACE)
+                                         BIAS_KIND, MASK, SOFTCAP, HAS_REPLACE, BIAS_KEYS)
         if BIAS_KIND == 2 and ONE_KEY_BLOCK:
             # Natural units, as the preprocess: RowM = lse, RowR = 0; where the lse lost
             # precision (|lse| > _LSE_EXACT_LIMIT in this block), the rows' exact max and log2
@@ -289,6 +290,7 @@ def attention_bwd_kernel(
     D: tl.constexpr, Dv: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
     DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
+    BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
@@ -364,7 +366,7 @@ def attention_bwd_kernel(
                 stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
                 seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn,
                 o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base, stride_dqm,
-                stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE,
+                stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE, BIAS_KEYS,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
@@ -378,7 +380,7 @@ def attention_bwd_kernel(
                 stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
                 seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn,
                 o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base, stride_dqm,
-                stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE,
+                stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE, BIAS_KEYS,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, False, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
 
@@ -471,7 +473,7 @@ def attention_bwd_dkdv_kernel(
     Hq, Hkv, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
     Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -540,7 +542,7 @@ def attention_bwd_dkdv_kernel(
                                              offs_n[:, None], Lq, Lk, bias_base, stride_bm,
                                              stride_bn, rep_base, stride_rm, stride_rn,
                                              score_scale, cap, IS_CAUSAL, BIAS_KIND, True,
-                                             SOFTCAP, HAS_REPLACE)
+                                             SOFTCAP, HAS_REPLACE, BIAS_KEYS)
             p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
             if DROPOUT:
@@ -593,6 +595,7 @@ def attention_bwd_dq_kernel(
     Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
     DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
+    BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
@@ -651,7 +654,7 @@ def attention_bwd_dq_kernel(
         s, t, rep = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
                                    bias_base, stride_bm, stride_bn, rep_base, stride_rm,
                                    stride_rn, score_scale, cap, IS_CAUSAL, BIAS_KIND, True,
-                                   SOFTCAP, HAS_REPLACE)
+                                   SOFTCAP, HAS_REPLACE, BIAS_KEYS)
         p = _probs(s, row_m[:, None], row_r[:, None], BIAS_KIND)
         dp = _dot(do, tl.trans(v), PRECISION, UPCAST_DOT)
         if DROPOUT:

@@ -36,7 +36,7 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
               IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
               SCALE_POS: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-              BLOCK_N: tl.constexpr):
+              BLOCK_N: tl.constexpr, BIAS_KEYS: tl.constexpr):
     """One key block of the online softmax (with ROT, the key tile is rotated after its load)."""
     k0, k1, k2 = _load_qk(k_base, start_n, Lk, stride_kn, stride_kd, ck_base, sk_base,
                           stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
@@ -48,7 +48,7 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
             s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq,
                                      Lk, bias_base, stride_bm, stride_bn, rep_base, stride_rm,
                                      stride_rn, score_scale, cap, IS_CAUSAL, BIAS_KIND, MASK,
-                                     SOFTCAP, HAS_REPLACE)
+                                     SOFTCAP, HAS_REPLACE, BIAS_KEYS)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
         else:
@@ -67,7 +67,7 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
         s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
                                  bias_base, stride_bm, stride_bn, rep_base, stride_rm, stride_rn,
                                  score_scale, cap, IS_CAUSAL, BIAS_KIND, MASK, SOFTCAP,
-                                 HAS_REPLACE)
+                                 HAS_REPLACE, BIAS_KEYS)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A bias can mask a row's whole block: while a row has seen only -inf, use 0 as the
         # reference so that (-inf) - (-inf) never produces NaN (p and alpha are then 0).
@@ -104,6 +104,7 @@ def attention_fwd_kernel(
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, SCALE_POS: tl.constexpr,
     DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
+    BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
@@ -158,7 +159,8 @@ def attention_fwd_kernel(
             seed, pid_bh, drop_thresh, rep_base, stride_rm, stride_rn, DROPOUT, SOFTCAP,
             HAS_REPLACE,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
-            IS_CAUSAL, BIAS_KIND, False, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
+            IS_CAUSAL, BIAS_KIND, False, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N,
+            BIAS_KEYS)
     for start_n in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc0, acc1 = _fwd_step(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
@@ -167,7 +169,8 @@ def attention_fwd_kernel(
             seed, pid_bh, drop_thresh, rep_base, stride_rm, stride_rn, DROPOUT, SOFTCAP,
             HAS_REPLACE,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
-            IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N)
+            IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N,
+            BIAS_KEYS)
 
     # A fully masked row has l_i == 0: 0/0 = NaN like eager softmax, and lse = -inf.
     inv_l = 1.0 / l_i

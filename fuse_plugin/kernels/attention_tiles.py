@@ -395,7 +395,7 @@ def _replaced(rep_base, row0, col0, r, c, Lq, Lk, stride_rm, stride_rn, HAS_REPL
 @triton.jit
 def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, score_scale,
             IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
-            HAS_REPLACE: tl.constexpr):
+            HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr = False):
     """Scale, bias and mask a tile of raw dot products ``qk``.
 
     Query index = row0 + r, key index = col0 + c, with ``r``/``c`` aranges shaped to broadcast
@@ -404,14 +404,20 @@ def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, 
     (score_scale = scale * log2(e)). Masked entries (bool False, and with MASK the padding keys
     and the causally hidden ones) are -inf. MASK=False is for tiles known to be fully visible.
     HAS_REPLACE (a float bias only): where ``rep`` (``_replaced``) holds, the score is the bias
-    alone, where(rep, bias, s + bias).
+    alone, where(rep, bias, s + bias). BIAS_KEYS: the bias does not vary over queries (stride 0
+    there: a key-padding mask, (B, 1, 1, Lk) broadcast): one value per key is loaded, a vector
+    broadcast against the tile, not a tile of repeated values.
     """
     s = qk * score_scale
     if HAS_REPLACE:
         s = tl.where(rep, 0.0, s)
     if BIAS_KIND != 0:
-        b_ptrs = _pair_ptrs(bias_base, row0, col0, r, c, stride_bm, stride_bn)
-        in_range = ((row0 + r) < Lq) & ((col0 + c) < Lk)
+        if BIAS_KEYS:
+            b_ptrs = _pair_ptrs(bias_base, 0, col0, 0, c, 0, stride_bn)
+            in_range = (col0 + c) < Lk
+        else:
+            b_ptrs = _pair_ptrs(bias_base, row0, col0, r, c, stride_bm, stride_bn)
+            in_range = ((row0 + r) < Lq) & ((col0 + c) < Lk)
         if BIAS_KIND == 2:
             s += tl.load(b_ptrs, mask=in_range, other=0.0).to(tl.float32)
         else:
@@ -445,7 +451,7 @@ def _tanh(x):
 def _capped_scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
                    stride_rm, stride_rn, score_scale, cap, IS_CAUSAL: tl.constexpr,
                    BIAS_KIND: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-                   HAS_REPLACE: tl.constexpr):
+                   HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr = False):
     """``_scores`` with the softcap (``SOFTCAP``) applied before the replace mask, the bias and
     the masks: (s, t, rep) with s = cap·t (+ bias, masks) and t = tanh(qk·score_scale); the
     launcher passes score_scale = scale / softcap and cap = softcap in the kernel's units (times
@@ -456,11 +462,11 @@ def _capped_scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn
     if SOFTCAP:
         t = _tanh(qk * score_scale)
         s = _scores(t, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, cap,
-                    IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE)
+                    IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE, BIAS_KEYS)
     else:
         t = qk
         s = _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep,
-                    score_scale, IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE)
+                    score_scale, IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE, BIAS_KEYS)
     return s, t, rep
 
 

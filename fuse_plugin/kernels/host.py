@@ -98,3 +98,10 @@ def bias_args(bias, dummy):
     if not bias.dtype.is_floating_point:
         raise ValueError(f"bias must be bool or floating point, got {bias.dtype}")
     return FLOAT_BIAS, bias, bias.stride()
+
+
+def bias_over_keys(kind: int, strides) -> bool:
+    """The kernels' BIAS_KEYS: a (B, Hq, Lq, Lk) bias whose query stride is 0 (a key-padding
+    mask broadcast over the queries) is read one value per key, not as tiles of repeats. Only a
+    literal 0 counts (a symbolic stride keeps the tile read, which is right for any stride)."""
+    return kind != NO_BIAS and type(strides[2]) is int and strides[2] == 0

@@ -49,7 +49,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import fx
 
-from .canon import broadcasts_to, call_of, device_of, dtype, example_value, fmt_shape, is_identity, shape, written
+from .canon import (broadcasts_to, call_of, device_of, dtype, example_value, fmt_shape, is_identity, known_equal,
+                    shape, written)
 from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, causal_source, constant_number,
                           is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
@@ -262,7 +263,9 @@ def build_bias(b: NodeBuilder, parts: list, memo: dict, dtype: torch.dtype = tor
             keep = k if keep is None else b.function(torch.logical_and, keep, k)
         result = (keep, "bool mask")
     elif len(parts) == 1 and isinstance(parts[0], BiasTerm) and not parts[0].negate and parts[0].scale == 1.0 and dtype_of(parts[0].node).is_floating_point:
-        result = (parts[0].node, "additive mask")
+        term = parts[0].node
+        narrow = unbroadcast(b, term, memo)
+        result = (term, "additive mask") if narrow is None else (narrow, "additive mask, per key")
     else:
         bias = None
         for p in parts:
@@ -288,6 +291,75 @@ def build_bias(b: NodeBuilder, parts: list, memo: dict, dtype: torch.dtype = tor
         result = (bias, "float mask")
     memo[key] = result
     return result
+
+
+def unbroadcast(b: NodeBuilder, node: fx.Node, memo: dict) -> Optional[fx.Node]:
+    """The same values as ``node`` with its broadcast dims left at size 1, built before the op,
+    when ``node`` is a pointwise mask whose inputs vary over fewer dims than it has, and when the
+    result keeps the key dim (the kernels read a bias constant over the queries one value per
+    key, kernels/host.bias_over_keys); None otherwise.
+
+    HF's BERT-style padding mask is the case: ``where(((arange(Lq) >= 0)[q] & pad[b, k])
+    .expand(B, 1, Lq, Lk), 0, finfo.min)`` is ``where(pad[b, k], 0, finfo.min)`` (B, 1, 1, Lk)
+    broadcast, since the query term is True everywhere (causal_mask.abstract_value). The op
+    broadcasts the bias itself. Handled: ``expand``, ``contiguous``/``clone``/identity ``to``,
+    ``&`` with an operand proven all-True, and ``where(mask, a, b)`` with 0-d or number
+    branches."""
+    s = shape(node)
+    small = _unbroadcast(b, node, memo)
+    if small is None or s is None:
+        return None
+    t = shape(small)
+    if t is None or not broadcasts_to(t, s) or len(t) == 0 or not known_equal(t[-1], s[-1]):
+        return None
+    return small if not all(known_equal(x, y) for x, y in zip(reversed(t), reversed(s))) else None
+
+
+def _all_true(x: Any, memo: dict) -> bool:
+    if not isinstance(x, fx.Node) or dtype_of(x) != torch.bool:
+        return False
+    a = abstract_value(x, memo)
+    return isinstance(a, Select) and a.aff is None and a.a is True
+
+
+def _is_scalar(x: Any) -> bool:
+    """A number, or a tensor of no dims (it broadcasts without widening)."""
+    if constant_number(x) is not None or isinstance(x, (int, float)):
+        return True
+    s = shape(x) if isinstance(x, fx.Node) else None
+    return s is not None and len(s) == 0
+
+
+def _unbroadcast(b: NodeBuilder, node: Any, memo: dict) -> Optional[fx.Node]:
+    """``unbroadcast`` before the checks on the result: a node of the same values, perhaps
+    narrower, or None when nothing is known."""
+    if not isinstance(node, fx.Node) or written(node):
+        return None
+    key = ("unbroadcast", node)
+    if key in memo and not getattr(memo[key], "_erased", False) and precedes(memo[key], b.before):
+        return memo[key]
+    c = call_of(node)
+    out = None
+    if c is None:
+        return None
+    if c.name in ("expand", "contiguous", "clone") or is_identity(c):
+        x = c["input"]
+        out = (_unbroadcast(b, x, memo) or x) if isinstance(x, fx.Node) and not written(x) else None
+    elif c.name == "and" and dtype_of(node) == torch.bool:
+        x, y = c["input"], c["other"]
+        for keep, other in ((x, y), (y, x)):
+            if _all_true(keep, memo) and isinstance(other, fx.Node) and dtype_of(other) == torch.bool \
+                    and not written(other):
+                out = _unbroadcast(b, other, memo) or other
+                break
+    elif c.name == "where" and _is_scalar(c["input"]) and _is_scalar(c["other"]):
+        cond = c["condition"]
+        small = _unbroadcast(b, cond, memo) if isinstance(cond, fx.Node) else None
+        if small is not None:
+            out = b.function(torch.where, small, c["input"], c["other"])  # (dtype from a and b)
+    if out is not None:
+        memo[key] = out
+    return out
 
 
 def _negated(b: NodeBuilder, mask: fx.Node) -> fx.Node:

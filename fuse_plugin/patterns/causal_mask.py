@@ -262,8 +262,23 @@ def abstract_value(node: fx.Node, memo: dict):
     if value is not None and written(node):
         value = None  # changed in place later: its value at a use is not what the node computed
     if value is not None and isinstance(example_value(node), torch.Tensor):
-        value = _without_unit_dims(value, node)
+        value = _decided(_without_unit_dims(value, node))
     memo[node] = value
+    return value
+
+
+def _decided(value):
+    """A Select whose predicate `aff <= 0` holds everywhere or nowhere, from the signs alone
+    (indices are >= 0): with every coefficient >= 0 and const > 0, aff > 0 everywhere (the
+    constant b); with every coefficient <= 0 and const <= 0, aff <= 0 everywhere (the constant a).
+    HF's `arange(L) + offset >= 0` over the query positions, always True, is one."""
+    if not isinstance(value, Select) or value.aff is None:
+        return value
+    coefs = [c for _, c in value.aff.coef]
+    if all(c >= 0 for c in coefs) and value.aff.const > 0:
+        return _constant(value.b)
+    if all(c <= 0 for c in coefs) and value.aff.const <= 0:
+        return _constant(value.a)
     return value
 
 
