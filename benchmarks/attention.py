@@ -110,7 +110,7 @@ def row(label, b, hq, hkv, n, d, dtype, causal, bias, impls):
 
 
 def dropout_rows(p=0.1):
-    """Training with attention dropout: ours (Philox in the kernels) vs SDPA's backends with dropout_p."""
+    """Training with attention dropout: ours (the counter-hash mask in the kernels) vs SDPA's backends with dropout_p."""
     impls = {"ours": ours_dropout(p), **{name: sdpa(name, p) for name in BACKENDS}}
     out = []
     for d, causal in ((64, True), (128, True), (128, False)):

@@ -5,8 +5,9 @@ seed comes from torch's RNG (torch.manual_seed repeats it), also when the recogn
 `F.dropout(..., training=True)` on the attention weights.
 
 On CPU the kernels run in Triton's interpreter (tests/conftest.py), on a GPU compiled; shapes are
-small. The reference's Philox is checked against the kernels', not against a known-answer vector:
-what matters is that both sides draw the same bits."""
+small. The reference's counter hash is checked against the kernels', not against a known-answer
+vector: what matters is that both sides draw the same bits (and, test_draws_are_uniform_and_
+uncorrelated, that the bits look random)."""
 import math
 
 import pytest
@@ -64,6 +65,26 @@ def test_keep_rate():
     km = kernel_mask(1, 64, 16, 32, p, seed_tensor(11))
     sigma = math.sqrt(p * (1 - p) / km.numel())
     assert abs(km.double().mean().item() - (1 - p)) < 5 * sigma
+
+
+def test_draws_are_uniform_and_uncorrelated():
+    """The counter hash behind the mask (reference.dropout_keep, bit for bit the kernels'): keep
+    rates right at low, middle and high p, and no correlation between neighbouring scores (next
+    key, next query, next head) or between two seeds, within 5 sigma."""
+    shape = (2, 8, 128, 128)  # 262144 draws
+    for p in (0.05, 0.5, 0.9):
+        keep = reference.dropout_keep(3, shape, p).double()
+        sigma = math.sqrt(p * (1 - p) / keep.numel())
+        assert abs(keep.mean().item() - (1 - p)) < 5 * sigma, p
+        z = (keep - keep.mean()) / keep.std()
+        pairs = {"key": (z[..., 1:], z[..., :-1]), "query": (z[..., 1:, :], z[..., :-1, :]),
+                 "head": (z[:, 1:], z[:, :-1])}
+        if p == 0.5:
+            other = reference.dropout_keep(4, shape, p).double()
+            pairs["seed"] = (z, (other - other.mean()) / other.std())
+        for what, (a, b) in pairs.items():
+            corr = (a * b).mean().item()
+            assert abs(corr) < 5 / math.sqrt(a.numel()), (p, what, corr)
 
 
 def test_output_is_unbiased():

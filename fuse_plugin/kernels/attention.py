@@ -31,8 +31,8 @@ Shapes and layouts
   tokens, backward from 160, fed our out and lse) run it instead (attention_cudnn.py), unless
   a config is given.
 * Dropout (``dropout_p > 0``, ``dropout_seed`` one int64 on the device): each weight P[b,h,i,j]
-  is kept iff its 16 bits of a Philox-4x32-10 draw keyed by the seed (counter (j // 8, i,
-  b*Hq + h, 0), ``_dropout_keep``) reach floor(p * 2**16); kept weights are scaled by the inverse
+  is kept iff its 16 bits of a counter hash of (seed, b*Hq + h, i, j) (``_dropout_keep``,
+  element-wise in the scores' layout) reach floor(p * 2**16); kept weights are scaled by the inverse
   of that keep rate (1/(1-p) to within 2**-16). The row sum and ``lse`` are of the undropped
   softmax. Forward and backward draw the same mask; ``reference.dropout_keep`` reproduces it bit
   for bit. Nothing of size Lq * Lk is stored.

@@ -492,35 +492,39 @@ def _probs(s, row_m, row_r, BIAS_KIND: tl.constexpr):
 
 
 @triton.jit
+def _mix32(x):
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 in which every input bit flips each
+    output bit with probability ~1/2 (uint32 arithmetic wraps mod 2**32)."""
+    x = x ^ (x >> 16)
+    x = x * tl.cast(0x85EBCA6B, tl.uint32)
+    x = x ^ (x >> 13)
+    x = x * tl.cast(0xC2B2AE35, tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit
 def _dropout_keep(seed, bh, row0, col0, offs_r, offs_c, drop_thresh, TRANSPOSED: tl.constexpr):
     """Dropout keep-mask of the score tile of queries ``row0 + offs_r`` and keys ``col0 + offs_c``
     of query head ``bh`` (= b * Hq + h): (queries, keys), or (keys, queries) with TRANSPOSED.
 
-    16 random bits per score, 8 scores per Philox-4x32-10 draw: keys 8g..8g+7 of query i share the
-    draw keyed by the 64-bit ``seed`` with counter (g, i, bh, 0); key 8g + t takes word t // 2,
-    its low half for even t, and is kept iff those 16 bits are >= ``drop_thresh``
-    (= floor(p * 2**16)). The mask depends on (seed, bh, i, j) alone, not on the tiling, so the
-    forward and both backward paths draw the same one, and ``reference.dropout_keep`` repeats it
-    bit for bit on the CPU. ``col0`` is a multiple of 8 (tiles are >= 16 wide)."""
-    BLOCK_R: tl.constexpr = offs_r.shape[0]
-    BLOCK_C: tl.constexpr = offs_c.shape[0]
-    rows = (row0 + offs_r)[:, None]
-    groups = (col0 // 8 + tl.arange(0, BLOCK_C // 8))[None, :]
-    zero = rows * 0 + groups * 0  # (BLOCK_R, BLOCK_C // 8)
-    w0, w1, w2, w3 = tl.philox(seed, groups + zero, rows + zero, zero + bh.to(tl.int32), zero)
-    m0 = ((w0 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    m1 = ((w0 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    m2 = ((w1 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    m3 = ((w1 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    m4 = ((w2 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    m5 = ((w2 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    m6 = ((w3 & 0xFFFF).to(tl.int32) >= drop_thresh).to(tl.int8)
-    m7 = ((w3 >> 16).to(tl.int32) >= drop_thresh).to(tl.int8)
-    # Interleave into key order 8g + t, t = 4a + 2w + u: each join appends a LAST axis, so join
-    # over the most significant digit first; the (g, a, w, u) row-major flatten is then 8g + t.
-    y0 = tl.join(tl.join(m0, m4), tl.join(m2, m6))  # u = 0: [..., a, w]
-    y1 = tl.join(tl.join(m1, m5), tl.join(m3, m7))  # u = 1
-    keep = tl.reshape(tl.join(y0, y1), [BLOCK_R, BLOCK_C]) != 0
+    16 random bits per score from a counter hash (uint32, wrapping): with s0/s1 the low/high
+    words of the 64-bit ``seed``, a = mix(mix(s0 ^ bh·G) ^ s1) per head, r_i = mix(a + i·C) per
+    query row, and the score (i, j) draws x = mix(r_i + j·G) (``_mix32``; G = 0x9E3779B9,
+    C = 0x85EBCA77): a Weyl sequence over the keys of each row through a bijective mixer, so no
+    two keys of a row share a draw. It is kept iff x >> 16 >= ``drop_thresh`` (= floor(p·2**16)).
+    Element-wise in whatever layout the scores have: unlike a Philox draw shared by 8 keys, no
+    interleave or transpose of the mask through shared memory (measured on the H100 at BERT's
+    shape, RESULTS "Stop 20": 4.8 us of forward and 4.4 of backward per layer). The mask depends
+    on (seed, bh, i, j) alone, not on the tiling, so the forward and every backward path draw the
+    same one, and ``reference.dropout_keep`` repeats it bit for bit on the CPU."""
+    s0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    s1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    a = _mix32(s0 ^ (bh.to(tl.uint32) * tl.cast(0x9E3779B9, tl.uint32)))
+    a = _mix32(a ^ s1)
+    r = _mix32(a + (row0 + offs_r).to(tl.uint32) * tl.cast(0x85EBCA77, tl.uint32))
+    c = (col0 + offs_c).to(tl.uint32) * tl.cast(0x9E3779B9, tl.uint32)
     if TRANSPOSED:
-        keep = tl.trans(keep)
-    return keep
+        x = _mix32(r[None, :] + c[:, None])
+    else:
+        x = _mix32(r[:, None] + c[None, :])
+    return (x >> 16).to(tl.int32) >= drop_thresh

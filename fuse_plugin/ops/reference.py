@@ -79,9 +79,6 @@ def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, 
     return _grouped(p, g), torch.logsumexp(s, dim=-1)
 
 
-# Philox-4x32 constants (Salmon et al. 2011), as in triton.language.random.
-_PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
-_PHILOX_KEY_A, _PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
 _U32 = 0xFFFFFFFF
 
 
@@ -95,33 +92,32 @@ def _mul32(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
     return high, low
 
 
-def philox_4x32(seed: int, c0: Tensor, c1: Tensor, c2: Tensor, c3: Tensor, rounds: int = 10) -> tuple:
-    """The four output words of Philox-4x32-``rounds`` keyed by a 64-bit seed, for int64 counter
-    tensors holding 32-bit values: what ``tl.philox(seed, c0, c1, c2, c3)`` returns."""
-    k0, k1 = seed & _U32, (seed >> 32) & _U32
-    for _ in range(rounds):
-        hi_b, lo_b = _mul32(c2, _PHILOX_ROUND_B)
-        hi_a, lo_a = _mul32(c0, _PHILOX_ROUND_A)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + _PHILOX_KEY_A) & _U32, (k1 + _PHILOX_KEY_B) & _U32
-    return c0, c1, c2, c3
+def _mix32(x: Tensor) -> Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding uint32 values (the kernels'
+    ``_mix32``; products taken mod 2**32 by ``_mul32``)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)[1]
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)[1]
+    return x ^ (x >> 16)
+
+
+_WEYL_KEY, _WEYL_ROW = 0x9E3779B9, 0x85EBCA77
 
 
 def dropout_keep(seed: int, shape: tuple[int, int, int, int], dropout_p: float, device=None) -> Tensor:
-    """(B, Hq, Lq, Lk) bool keep-mask of the attention kernels' dropout (kernels/attention.py,
-    ``_dropout_keep``): keys 8g..8g+7 of query i of head bh = b * Hq + h share the Philox draw
-    with counter (g, i, bh, 0); key 8g + t takes word t // 2 (low 16 bits for even t) and is kept
-    iff those bits are >= floor(p * 2**16)."""
+    """(B, Hq, Lq, Lk) bool keep-mask of the attention kernels' dropout (kernels/attention_tiles.py,
+    ``_dropout_keep``): with s0/s1 the low/high 32 bits of the seed, a = mix(mix(s0 ^ bh·G) ^ s1)
+    for head bh = b * Hq + h, r_i = mix(a + i·C), x_ij = mix(r_i + j·G) (uint32, wrapping); score
+    (i, j) is kept iff x_ij >> 16 >= floor(p * 2**16)."""
     b, hq, lq, lk = shape
     kw = dict(dtype=torch.int64, device=device)
-    n_groups = (lk + 7) // 8
-    g = torch.arange(n_groups, **kw).view(1, 1, 1, n_groups)
-    i = torch.arange(lq, **kw).view(1, 1, lq, 1)
+    s0, s1 = int(seed) & _U32, (int(seed) >> 32) & _U32
     bh = torch.arange(b * hq, **kw).view(b, hq, 1, 1)
-    zero = torch.zeros((b, hq, lq, n_groups), **kw)
-    words = torch.stack(philox_4x32(int(seed), g + zero, i + zero, bh + zero, zero), -1)  # (..., G, 4)
-    halves = torch.stack((words & 0xFFFF, words >> 16), -1).flatten(-3)  # (..., 8G): key 8g + t
-    return halves[..., :lk] >= dropout_threshold(dropout_p)
+    a = _mix32(_mix32(s0 ^ _mul32(bh, _WEYL_KEY)[1]) ^ s1)
+    r = _mix32((a + _mul32(torch.arange(lq, **kw).view(1, 1, lq, 1), _WEYL_ROW)[1]) & _U32)
+    x = _mix32((r + _mul32(torch.arange(lk, **kw).view(1, 1, 1, lk), _WEYL_KEY)[1]) & _U32)
+    return (x >> 16) >= dropout_threshold(dropout_p)
 
 
 def _dropped(x: Tensor, dropout_p: float, seed: Tensor | None, shape: tuple) -> Tensor:
