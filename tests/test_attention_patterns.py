@@ -492,6 +492,16 @@ fused: scale=0.25, bias: additive mask""")
         self.assertIn("bias: additive mask", report.sites[0].detail)
         self.assertNotIn("per key", report.sites[0].detail)
 
+        def g(q, k, v, query_mask):  # constant over the keys: narrower, but not per key
+            keep = query_mask.to(torch.bool)[:, None, :, None]
+            mask = torch.where(keep.expand(B, -1, L, L), torch.zeros(()), torch.finfo(torch.float32).min)
+            w = q @ k.transpose(-2, -1) * 0.25 + mask
+            return F.softmax(w, dim=-1) @ v
+
+        before, after, report = capture(g, *qkv(), torch.ones(B, L, dtype=torch.long))
+        self.assertNotIn("per key", report.sites[0].detail)
+        self.assertEqual(before.count(" where("), after.count(" where("))  # no node left behind
+
     def test_hf_sliced_mask(self):
         def f(q, k, v, causal_mask):
             w = torch.matmul(q, k.transpose(2, 3)) * 0.25

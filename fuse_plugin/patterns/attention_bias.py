@@ -294,25 +294,35 @@ def build_bias(b: NodeBuilder, parts: list, memo: dict, dtype: torch.dtype = tor
 
 
 def unbroadcast(b: NodeBuilder, node: fx.Node, memo: dict) -> Optional[fx.Node]:
-    """The same values as ``node`` with its broadcast dims left at size 1, built before the op,
-    when ``node`` is a pointwise mask whose inputs vary over fewer dims than it has, and when the
-    result keeps the key dim (the kernels read a bias constant over the queries one value per
-    key, kernels/host.bias_over_keys); None otherwise.
+    """The same values as ``node`` with its broadcast dims left at size 1, when ``node`` is a
+    pointwise mask whose inputs vary over fewer dims than it has and the narrower form keeps the
+    key dim (the kernels read a bias constant over the queries one value per key,
+    kernels/host.bias_over_keys); None otherwise, and then the graph is left as it was.
 
     HF's BERT-style padding mask is the case: ``where(((arange(Lq) >= 0)[q] & pad[b, k])
     .expand(B, 1, Lq, Lk), 0, finfo.min)`` is ``where(pad[b, k], 0, finfo.min)`` (B, 1, 1, Lk)
     broadcast, since the query term is True everywhere (causal_mask.abstract_value). The op
-    broadcasts the bias itself. Handled: ``expand``, ``contiguous``/``clone``/identity ``to``,
-    ``&`` with an operand proven all-True, and ``where(mask, a, b)`` with 0-d or number
-    branches."""
+    broadcasts the bias itself. Seen through: ``expand``, ``contiguous``/``clone``/identity
+    ``to``, ``&`` with an operand proven all-True; at the top, ``where(mask, a, b)`` with 0-d or
+    number branches is rebuilt on the narrower mask (the only node made, once it is known to
+    be kept)."""
     s = shape(node)
-    small = _unbroadcast(b, node, memo)
-    if small is None or s is None:
+    c = call_of(node)
+    if s is None or c is None or written(node):
         return None
-    t = shape(small)
-    if t is None or not broadcasts_to(t, s) or len(t) == 0 or not known_equal(t[-1], s[-1]):
-        return None
-    return small if not all(known_equal(x, y) for x, y in zip(reversed(t), reversed(s))) else None
+    if c.name == "where" and _is_scalar(c["input"]) and _is_scalar(c["other"]):
+        small = _narrower(c["condition"], memo)  # the branches broadcast without widening
+        if small is None or not _keeps_keys(shape(small), s):
+            return None
+        return b.function(torch.where, small, c["input"], c["other"])  # (dtype from a and b)
+    small = _narrower(node, memo)
+    return small if small is not None and _keeps_keys(shape(small), s) else None
+
+
+def _keeps_keys(t: Optional[tuple], s: tuple) -> bool:
+    """t broadcasts to s, is narrower somewhere, and keeps s's last (key) dim."""
+    return (t is not None and len(t) > 0 and broadcasts_to(t, s) and known_equal(t[-1], s[-1])
+            and not (len(t) == len(s) and all(known_equal(x, y) for x, y in zip(t, s))))
 
 
 def _all_true(x: Any, memo: dict) -> bool:
@@ -324,42 +334,31 @@ def _all_true(x: Any, memo: dict) -> bool:
 
 def _is_scalar(x: Any) -> bool:
     """A number, or a tensor of no dims (it broadcasts without widening)."""
-    if constant_number(x) is not None or isinstance(x, (int, float)):
+    if isinstance(x, (int, float)) or constant_number(x) is not None:
         return True
     s = shape(x) if isinstance(x, fx.Node) else None
     return s is not None and len(s) == 0
 
 
-def _unbroadcast(b: NodeBuilder, node: Any, memo: dict) -> Optional[fx.Node]:
-    """``unbroadcast`` before the checks on the result: a node of the same values, perhaps
-    narrower, or None when nothing is known."""
+def _narrower(node: Any, memo: dict) -> Optional[fx.Node]:
+    """An existing node holding node's values at a shape that broadcasts to node's (through
+    expands, identity copies and ``& True``), or None. Makes no node."""
     if not isinstance(node, fx.Node) or written(node):
         return None
-    key = ("unbroadcast", node)
-    if key in memo and not getattr(memo[key], "_erased", False) and precedes(memo[key], b.before):
-        return memo[key]
     c = call_of(node)
-    out = None
     if c is None:
         return None
     if c.name in ("expand", "contiguous", "clone") or is_identity(c):
         x = c["input"]
-        out = (_unbroadcast(b, x, memo) or x) if isinstance(x, fx.Node) and not written(x) else None
+        if isinstance(x, fx.Node) and not written(x):
+            return _narrower(x, memo) or x
     elif c.name == "and" and dtype_of(node) == torch.bool:
         x, y = c["input"], c["other"]
         for keep, other in ((x, y), (y, x)):
             if _all_true(keep, memo) and isinstance(other, fx.Node) and dtype_of(other) == torch.bool \
                     and not written(other):
-                out = _unbroadcast(b, other, memo) or other
-                break
-    elif c.name == "where" and _is_scalar(c["input"]) and _is_scalar(c["other"]):
-        cond = c["condition"]
-        small = _unbroadcast(b, cond, memo) if isinstance(cond, fx.Node) else None
-        if small is not None:
-            out = b.function(torch.where, small, c["input"], c["other"])  # (dtype from a and b)
-    if out is not None:
-        memo[key] = out
-    return out
+                return _narrower(other, memo) or other
+    return None
 
 
 def _negated(b: NodeBuilder, mask: fx.Node) -> fx.Node:
