@@ -3,6 +3,7 @@
     python benchmarks/generate.py [--models llama100m,e2e] [--prompts 512,4096] [--batches 1,8]
                                   [--new-tokens 256] [--variants eager,compile,sdpa+compile,plugin,floor]
                                   [--modes default,reduce-overhead] [--rounds 3] [--out FILE.md]
+                                  [--parallel]
     python benchmarks/generate.py --cpu --tiny      # a smoke run on the CPU (a 2-layer model, fp32)
 
 Models (random weights, bf16 on the GPU): ``llama100m`` = transformers LlamaForCausalLM with 12
@@ -40,6 +41,14 @@ table is rewritten after every row.
 ``--profile N`` prints, per cell, where a generation of N tokens spends host and GPU time.
 ``--rounds 0`` compiles and warms up only: a few such processes over disjoint rows, run in
 parallel, fill Inductor's and Triton's caches for the timed run.
+``--parallel`` runs each row in a process of its own: all rows build (compile and warm up) at
+once, and only when every row is built do they time, one row at a time in a fixed order (the
+smallest first), the others waiting idle (no compile or other work on the host or the GPU while a
+row times; each row's ratios still come from its own interleaved rounds). The full table (8
+rows) then takes the longest build plus the sum of the timed rounds, instead of the sum of the
+builds plus a separate compile pre-pass (stop 16: ~37 min, more than a device hold; stop 21: the
+8 rows in 16 min, at most 62 GB of the H100's memory while all rows were built). A row's process
+exits after its turn, freeing its memory before the larger rows time.
 """
 from __future__ import annotations
 
@@ -196,8 +205,9 @@ def graphs_compiled() -> int:
 WARM_TOKENS = 3  # a warm-up generation: the prefill once, the decode step twice
 
 
-def run_row(name, prompt_len, batch, args, results, log):
-    """Build and warm every cell of the row, then the interleaved timed rounds (module doc)."""
+def run_row(name, prompt_len, batch, args, results, log, before_timing=lambda: None):
+    """Build and warm every cell of the row, then the interleaved timed rounds (module doc).
+    ``before_timing`` is called between the two (``--parallel``: wait for this row's turn)."""
     device, n = args.device, args.new_tokens
     cells = []
     for variant in args.variants:
@@ -230,6 +240,7 @@ def run_row(name, prompt_len, batch, args, results, log):
             del cell
             if device == "cuda":
                 torch.cuda.empty_cache()
+    before_timing()
     graphs_before = graphs_compiled()
     tokens = {}
     for _ in range(args.rounds):
@@ -318,6 +329,76 @@ def table(results) -> list[str]:
     return lines
 
 
+def rows(args) -> list[tuple[str, int, int]]:
+    return [(name, int(plen), int(batch)) for name in args.models.split(",")
+            for plen in args.prompts.split(",") for batch in args.batches.split(",")]
+
+
+def run_worker(args) -> None:
+    """One row of ``--parallel``: build, write ``<prefix>.built``, wait for ``<prefix>.go``, time,
+    write the row's results to ``<prefix>.json``."""
+    import json
+    import os
+
+    (name, plen, batch), = rows(args)
+    prefix = args.worker
+
+    def wait_for_turn():
+        open(prefix + ".built", "w").close()
+        while not os.path.exists(prefix + ".go"):
+            time.sleep(0.2)
+        print(f"  timing from t = {time.time():.3f}", flush=True)
+
+    results: dict = {}
+    run_row(name, plen, batch, args, results, lambda s: print(s, flush=True), before_timing=wait_for_turn)
+    with open(prefix + ".json", "w") as f:
+        json.dump([[list(key), cell] for key, cell in results.items()], f)
+
+
+def run_parallel(args, header, results, t_start) -> None:
+    """``--parallel`` (module doc): a worker process per row, all building at once, then timed one
+    at a time, the smallest row first; the workers' logs are printed as each row finishes."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    order = sorted(rows(args), key=lambda r: (r[1] * r[2], r[0] == "e2e"))
+    sync = tempfile.mkdtemp(prefix="generate_parallel_")
+    procs = []
+    for i, (name, plen, batch) in enumerate(order):
+        cmd = [sys.executable, os.path.abspath(__file__), "--models", name, "--prompts", str(plen),
+               "--batches", str(batch), "--new-tokens", str(args.new_tokens), "--variants", ",".join(args.variants),
+               "--floor-modes", ",".join(args.floor_modes) or ",", "--modes", ",".join(args.modes),
+               "--rounds", str(args.rounds), "--profile", str(args.profile), "--worker", f"{sync}/{i}"]
+        cmd += ["--cpu"] if args.device == "cpu" else []
+        log = open(f"{sync}/{i}.log", "w")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+    print(f"{len(order)} rows building in parallel (logs in {sync})", flush=True)
+    while not all(os.path.exists(f"{sync}/{i}.built") or p.poll() is not None for i, p in enumerate(procs)):
+        time.sleep(1)
+    print(f"all rows built after {time.perf_counter() - t_start:.0f} s (t = {time.time():.3f}); timing one row "
+          "at a time", flush=True)
+    done: dict = {}
+    for i, ((name, plen, batch), p) in enumerate(zip(order, procs)):
+        open(f"{sync}/{i}.go", "w").close()
+        rc = p.wait()
+        print(f"row {name} {plen} x {batch} done at t = {time.time():.3f}", flush=True)
+        with open(f"{sync}/{i}.log") as f:
+            print(f"--- row {name} {plen} x {batch} (exit {rc}) ---\n{f.read().rstrip()}", flush=True)
+        try:
+            with open(f"{sync}/{i}.json") as f:
+                done[(name, plen, batch)] = {tuple(key): cell for key, cell in json.load(f)}
+        except (OSError, ValueError):
+            done[(name, plen, batch)] = {(name, plen, batch, "(row)", "-"): {"error": f"worker exit {rc}"}}
+        if args.out and args.rounds:
+            partial = {k: v for row in rows(args) if row in done for k, v in done[row].items()}
+            emit([header, ""] + table(partial) + ["", "(partial)"], args.out, quiet=True)
+    for row in rows(args):  # the table in the rows' own order
+        results.update(done[row])
+
+
 def main(argv=None):
     import transformers
 
@@ -338,6 +419,9 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true",
                         help="a 2-layer model, prompt 16, batch 2, 8 new tokens, default mode (a smoke run)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--parallel", action="store_true",
+                        help="a process per row: all rows build at once, then time one at a time (module doc)")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # --parallel's rows: a file prefix
     args = parser.parse_args(argv)
     if args.tiny:
         defaults = parser.parse_args([])
@@ -370,12 +454,14 @@ def main(argv=None):
     torch._dynamo.config.automatic_dynamic_shapes = False
     results: dict = {}
     t_start = time.perf_counter()
-    for name in args.models.split(","):
-        for plen in (int(p) for p in args.prompts.split(",")):
-            for batch in (int(b) for b in args.batches.split(",")):
-                run_row(name, plen, batch, args, results, lambda s: print(s, flush=True))
-                if args.out and args.rounds:  # the rows so far, in case a later row does not finish
-                    emit([header, ""] + table(results) + ["", "(partial)"], args.out, quiet=True)
+    if args.worker:
+        return run_worker(args)
+    if args.parallel:
+        run_parallel(args, header, results, t_start)
+    for name, plen, batch in () if args.parallel else rows(args):
+        run_row(name, plen, batch, args, results, lambda s: print(s, flush=True))
+        if args.out and args.rounds:  # the rows so far, in case a later row does not finish
+            emit([header, ""] + table(results) + ["", "(partial)"], args.out, quiet=True)
     if args.rounds == 0:
         print(f"compiled and warmed up only (--rounds 0), {time.perf_counter() - t_start:.0f} s")
         return
