@@ -343,9 +343,13 @@ def run_worker(args) -> None:
     (name, plen, batch), = rows(args)
     prefix = args.worker
 
+    parent = os.getppid()
+
     def wait_for_turn():
         open(prefix + ".built", "w").close()
         while not os.path.exists(prefix + ".go"):
+            if os.getppid() != parent:  # the parent is gone: nobody will give this row its turn
+                raise SystemExit(f"generate.py --parallel: the parent of row {name} {plen} x {batch} exited")
             time.sleep(0.2)
         print(f"  timing from t = {time.time():.3f}", flush=True)
 
