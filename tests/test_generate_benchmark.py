@@ -2,6 +2,7 @@
 per row, all rows built before any is timed, the rows timed one at a time, one table in the rows'
 own order. Checked on the CPU with the eager variant only (no compile: a few seconds)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -19,7 +20,9 @@ def test_parallel_rows_build_first_then_time_one_at_a_time(tmp_path):
                         "--variants", "eager", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     log = r.stdout
-    stamp = lambda line: float(line.rsplit("t = ", 1)[1].split(")")[0].split(";")[0])  # noqa: E731
+    def stamp(line):
+        return float(re.search(r"t = ([0-9.]+)", line).group(1))
+
     built = stamp(next(line for line in log.splitlines() if line.startswith("all rows built")))
     timing = [stamp(line) for line in log.splitlines() if "timing from t = " in line]
     done = [stamp(line) for line in log.splitlines() if line.startswith("row tiny")]
