@@ -1,6 +1,15 @@
 """Attention speed on the GPU: our op vs SDPA's flash (FA2), cuDNN and efficient backends, one run.
 
     python benchmarks/attention.py [--quick] [--out FILE.md]
+    python benchmarks/attention.py --choice [--out FILE.md] [--json FILE]
+
+``--choice``: the never-slower table (``choice_table``). Per row, in device time (CUDA graphs, median
+of do_bench_cudagraph), forward and backward: the family our op chooses (no forcing), every family
+that can run the row forced (the best named), SDPA's backends, and for the small-problem rows the
+site's decomposition compiled by stock Inductor (tune_choices.decomposition); then the chosen
+family's speed over the fastest of all (fwd, bwd, fwd + bwd). Rows: the quick grid (bf16, D 64/128,
+causal and not, N 4k), D 80/96/256 causal, GQA, an additive (B,1,N,N) bias, dropout 0.1, and the
+small problems the timm zoo and BERT meet (tune_choices.CLASSES).
 
 TFLOP/s from the median of `triton.testing.do_bench`, the best of ``REPEATS`` such medians for every
 implementation alike (the GPU host's Python speed varies by up to 2x within a run, and rows near the
@@ -206,6 +215,127 @@ def rope_table(ns=(2048, 8192)):
     return lines
 
 
+# --------------------------------------------------------------------------- the choice table
+
+
+def _device_ms(fn) -> float:
+    """Median device ms of fn under CUDA graphs (tune_choices.device_us)."""
+    from fuse_plugin.tune_choices import device_us
+
+    return device_us(fn) / 1e3
+
+
+def _choice_cases(quick_grid=True):
+    """(label, tune_choices.Case) rows of the choice table."""
+    from fuse_plugin.tune_choices import CLASSES, Case
+
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            rows.append((f"D{d} {'causal' if causal else 'full'} N4k", Case((4, 2048 // d, 2048 // d, 4096, 4096, d, d), "none", causal)))
+    for d in (80, 96, 256):
+        h = max(1, 2048 // d)
+        rows.append((f"D{d} causal N4k", Case((4, h, h, 4096, 4096, d, d), "none", True)))
+    rows.append(("D128 causal N4k GQA 16/4", Case((4, 16, 4, 4096, 4096, 128, 128), "none", True)))
+    rows.append(("D128 keys bias N4k", Case((4, 16, 16, 4096, 4096, 128, 128), "keys")))
+    for d in (64, 128):
+        rows.append((f"D{d} causal N4k dropout 0.1", Case((4, 2048 // d, 2048 // d, 4096, 4096, d, d), "none", True, 0.1)))
+    rows += [(name, case) for name, case in CLASSES.items()]
+    return rows
+
+
+def choice_row(label, case, log, device="cuda"):
+    """One row of the choice table: {implementation: (fwd ms, bwd ms)} and the chosen family's."""
+    from fuse_plugin.kernels import attention as K
+    from fuse_plugin.kernels import registry
+    from fuse_plugin.kernels.call import AttentionCall
+    from fuse_plugin.ops.attention import bias_4d, new_dropout_seed, whole_bias
+    from fuse_plugin import tune_choices as tc
+
+    B, Hq, Hkv, Lq, Lk, D, Dv = case.shape
+    scale = D ** -0.5
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v, bias, mask, learned = tc.inputs(case, torch.device(device), dtype)
+    op_bias = tc.op_bias(case, bias, mask)
+    b4 = bias_4d(op_bias, q, k)
+    seed = new_dropout_seed(q.device) if case.dropout else None
+    kw = dict(is_causal=case.causal, scale=scale, dropout_p=case.dropout, dropout_seed=seed)
+    out, lse = K.attention_forward(q, k, v, b4, **kw)
+    dout = torch.randn_like(out)
+    fwd = lambda: K.attention_forward(q, k, v, b4, **kw)  # noqa: E731
+    bwd = lambda: K.attention_backward(dout, q, k, v, b4, out, lse, need_dbias=learned, **kw)  # noqa: E731
+    times, chosen = {}, {}
+    for direction, fn in (("fwd", fwd), ("bwd", bwd)):
+        call = AttentionCall.forward(q, k, v, b4, **kw) if direction == "fwd" else \
+            AttentionCall.backward(dout, q, k, v, b4, out, lse, need_dbias=learned, **kw)
+        chosen[direction] = registry.choose(call)[0].name
+        times.setdefault("chosen", [None, None])[direction == "bwd"] = _device_ms(fn)
+        for fam, why in registry.reasons(call).items():
+            if why is None:
+                with registry.forced(fam):
+                    try:
+                        times.setdefault(fam, [None, None])[direction == "bwd"] = _device_ms(fn)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"{label}: {fam} {direction} failed: {e!r:.200}")
+    # SDPA's backends (k/v repeated for GQA by enable_gqa; a window-periodic bias materialised)
+    sb = whole_bias(op_bias, q, k) if case.bias == "periodic" else op_bias
+    for name in BACKENDS if device == "cuda" else ():
+        t = _sdpa_times(name, q, k, v, sb, case, scale, learned)
+        if t is not None:
+            times[f"sdpa-{name}"] = list(t)
+    if max(Lq, Lk) <= 512:  # Inductor's decomposition materialises the scores: small rows only
+        ind = tc.inductor_times(case, scale, q, k, v, bias, mask, learned)
+        times["inductor"] = [ind["fwd"] / 1e3, (ind["train"] - ind["fwd"]) / 1e3]
+    return times, chosen
+
+
+def _sdpa_times(name, q, k, v, bias, case, scale, learned):
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    b = None if bias is None else bias.detach().requires_grad_(learned)
+    gqa = q.shape[1] != k.shape[1]
+
+    def fwd():
+        with sdpa_kernel(BACKENDS[name]):
+            return F.scaled_dot_product_attention(*leaves, attn_mask=b, dropout_p=case.dropout,
+                                                  is_causal=case.causal, scale=scale, enable_gqa=gqa)
+    try:
+        out = fwd()
+        dout = torch.randn_like(out)
+        grads = leaves + ([b] if learned else [])
+        f = _device_ms(fwd)
+        t = _device_ms(lambda: torch.autograd.grad(fwd(), grads, dout))
+        return f, t - f
+    except RuntimeError as e:
+        if "No available kernel" in str(e) or "not support" in str(e).lower():
+            return None
+        raise
+
+
+def choice_table(log=print, cases=None, device="cuda"):
+    """The choice table's rows (markdown) and their numbers (for --json)."""
+    lines = ["| row | chosen fwd / bwd | best family fwd / bwd (ms) | fastest other (ms) | chosen vs fastest fwd / bwd / both |",
+             "|---|---|---|---|---|"]
+    data = []
+    for label, case in cases or _choice_cases():
+        times, chosen = choice_row(label, case, log, device)
+        ours = {k: v for k, v in times.items() if k not in ("chosen",) and not k.startswith("sdpa") and k != "inductor"}
+        best = [min((v[i], k) for k, v in ours.items() if v[i] is not None) for i in (0, 1)]
+        every = {k: v for k, v in times.items() if k != "chosen"}
+        fastest = [min((v[i], k) for k, v in every.items() if v[i] is not None) for i in (0, 1)]
+        c = times["chosen"]
+        both = (fastest[0][0] + fastest[1][0]) / (c[0] + c[1])
+        lines.append(f"| {label} | {chosen['fwd']} {c[0]:.3f} / {chosen['bwd']} {c[1]:.3f} | "
+                     f"{best[0][1]} {best[0][0]:.3f} / {best[1][1]} {best[1][0]:.3f} | "
+                     f"{fastest[0][1]} {fastest[0][0]:.3f} / {fastest[1][1]} {fastest[1][0]:.3f} | "
+                     f"{fastest[0][0] / c[0]:.2f} / {fastest[1][0] / c[1]:.2f} / {both:.2f} |")
+        log(lines[-1])
+        data.append({"row": label, "shape": list(case.shape), "bias": case.bias, "causal": case.causal,
+                     "dropout": case.dropout, "chosen": chosen, "ms": times})
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return lines, data
+
+
 def peak_memory_gb(n, d=128, dtype=torch.bfloat16):
     b, h = max(1, 16384 // n), 2048 // d
     q, k, v, _ = make_inputs(b, h, h, n, d, dtype, False)
@@ -224,7 +354,20 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--rope-only", action="store_true", help="only the rope + attention table")
     parser.add_argument("--dropout-only", action="store_true", help="only the dropout rows")
+    parser.add_argument("--choice", action="store_true", help="the never-slower table (module doc)")
+    parser.add_argument("--json", default=None, help="with --choice: every number as JSON")
     args = parser.parse_args()
+    if args.choice:
+        import json
+
+        head = [f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+                f"{time.strftime('%Y-%m-%d')} | device ms (CUDA graphs, median); bf16", ""]
+        lines, data = choice_table()
+        emit(head + lines, args.out)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"head": head[0], "rows": data}, f, indent=1)
+        return
     if args.rope_only:
         emit([f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
               f"{time.strftime('%Y-%m-%d')}", ""] + rope_table(), args.out)

@@ -38,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fuse_plugin  # noqa: F401
 from fuse_plugin.kernels import attention as attn
+from fuse_plugin.kernels import attention_config as C
 
 OPS = torch.ops.fuse_plugin
 DTYPE = torch.bfloat16
@@ -82,7 +83,7 @@ def impls(q, k, v, mask, filled, scale):
     Hkv = k.shape[1]
     n = Hq // Hkv
     bias4 = mask.expand(B, Hq, Lq, k.shape[2])
-    general = attn._forward_config(D, D, DTYPE)
+    general = C.forward_config(D, D, DTYPE)
 
     def sdpa(backend, how):
         def run():

@@ -2,6 +2,10 @@
 
     python -m fuse_plugin.tune [--out PATH] [--budget-s 420] [--workers N] [--plan full|main|quick]
                                [--log FILE.jsonl]
+    python -m fuse_plugin.tune --choices [--out PATH] [--classes NAME,...] [--log FILE.jsonl]
+
+``--choices`` measures the other table, which implementation a problem class runs fastest on
+(tune_choices.py, kernels/choice_table.py); without it, this module tunes the tiles:
 
 Writes ``fuse_plugin/kernels/attention_configs_sm<cc>.json`` (or ``--out``), keeping the entry
 sets of other GPU names already in that file. Steps:
@@ -134,44 +138,46 @@ def candidates(kernel: str, dbucket: int, mask: str, smem_limit: int) -> list[tu
     import torch
 
     from .kernels import attention as A
+    from .kernels import attention_config as C
+    from .kernels import attention_hopper as Hop
 
     base = (FWD_CANDIDATES if kernel == "fwd" else BWD_CANDIDATES)[_family(dbucket)]
     d = REPRESENTATIVE_D[dbucket]
-    splits = (True, False) if A._d_parts(d, True)[1] else (False,)
+    splits = (True, False) if C.d_parts(d, True)[1] else (False,)
     bias_elt = {"none": 0, "bool": 1, "float": 2}[mask]
     out = []
     for split in splits:
         for bm, bn, w, s in base:
             cfg = A.AttentionConfig(bm, bn, w, s, split)
-            if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+            if C.smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
-    if mask == "none" and d in A._TMA_HEAD_DIMS:
+    if mask == "none" and d in Hop.TMA_HEAD_DIMS:
         for bm, bn, w, s in TMA_CANDIDATES[kernel]:
             cfg = A.AttentionConfig(bm, bn, w, s, False, "tma")
-            if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+            if C.smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
-    if kernel == "fwd" and mask == "none" and d in GLUON_CANDIDATES and A.gluon_fwd.GLUON_AVAILABLE \
+    if kernel == "fwd" and mask == "none" and d in GLUON_CANDIDATES and Hop.gluon_fwd.GLUON_AVAILABLE \
             and torch.cuda.get_device_capability() == (9, 0):
         for bm, bn, s, pingpong in GLUON_CANDIDATES[d]:
             cfg = A.AttentionConfig(bm, bn, 4, s, False, "gluon_pingpong" if pingpong else "gluon")
-            if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+            if C.smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
-    if kernel == "bwd" and mask == "none" and d in A._TMA_HEAD_DIMS \
-            and A.gluon_bwd.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0):
+    if kernel == "bwd" and mask == "none" and d in Hop.TMA_HEAD_DIMS \
+            and Hop.gluon_bwd.GLUON_AVAILABLE and torch.cuda.get_device_capability() == (9, 0):
         for bm, bn, s, lpt in GLUON_BWD_CANDIDATES:
             cfg = A.AttentionConfig(bm, bn, 8, s, False, "gluon_lpt" if lpt else "gluon")
-            if A._gluon_bwd_variant(cfg) in A.gluon_bwd.VARIANTS and \
-                    A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+            if C.gluon_bwd_variant(cfg) in Hop.gluon_bwd.VARIANTS and \
+                    C.smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
     if kernel == "bwd":  # the pair reads whole head dims (split_d does not apply)
         for bm, bn, w, s in TWO_KERNEL_CANDIDATES.get(_family(dbucket), ()):
             cfg = A.AttentionConfig(bm, bn, w, s, False, "two_kernel")
-            if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+            if C.smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
-    if kernel == "bwd" and mask == "none" and d in A._TMA_PAIR_HEAD_DIMS:
+    if kernel == "bwd" and mask == "none" and d in Hop.TMA_PAIR_HEAD_DIMS:
         for tile, dq_tile in TMA_PAIR_CANDIDATES.get(d, ()):
             cfg = A.AttentionConfig(*tile, False, "tma_pair", dq_tile)
-            if A._smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
+            if C.smem_estimate(kernel, cfg, d, d, 2, bias_elt) <= smem_limit:
                 out.append(tuple(cfg))
     return out
 
@@ -428,6 +434,7 @@ def tune(args) -> int:
     import triton
 
     from .kernels import attention as A
+    from .kernels import attention_config as C
     from .kernels import tuning
 
     t0 = time.time()
@@ -435,7 +442,7 @@ def tune(args) -> int:
     dev = torch.device("cuda")
     cc = torch.cuda.get_device_capability()
     name = torch.cuda.get_device_name()
-    smem_limit = A._smem_limit(dev) or 232448
+    smem_limit = C.smem_limit(dev) or 232448
     plan = PLANS[args.plan]
     os.environ[tuning.ENV] = "off"  # the tuner itself must not read a stale table
     tuning.clear_cache()
@@ -607,6 +614,7 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
     import torch
 
     from .kernels import attention as A
+    from .kernels import attention_config as C
     from .kernels import tuning
 
     def resolved(key, seen=()):
@@ -640,7 +648,7 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
         cfg = None
         if got is not None and len(got[0]) >= 7 and not tuning.kernel_covers(got[0][6], key):
             if got[0][6] == "tma_pair":  # a mask key: what such an entry falls back to at run time
-                cfg = A._tma_pair_fallback(d, d, dt)
+                cfg = C.tma_pair_fallback(d, d, dt)
                 src = "heuristic"
             got = None  # e.g. a TMA-kernel entry on a key that kernel does not cover
         bias_elt = {"none": 0, "bool": 1, "float": 4}[p["mask"]]
@@ -650,12 +658,12 @@ def fill_table(tuned: dict, smem_limit: int) -> dict:
             cfg = A.AttentionConfig(*tuning.entry_to_config(entry))
             src = "tuned" if src == key else f"from:{src}"
         elif cfg is None:
-            h = A._forward_config if p["kernel"] == "fwd" else A._backward_config
+            h = C.forward_config if p["kernel"] == "fwd" else C.backward_config
             cfg, src = h(d, d, dt), "heuristic"
         # A tuned entry ran on the GPU as it is; copies and heuristics are fitted to the
         # shared-memory estimate (a float mask may be fp32: 4 bytes a score).
         while src != "tuned" and cfg.num_stages > 1 and \
-                A._smem_estimate(p["kernel"], cfg, d, d, elt, bias_elt) > smem_limit:
+                C.smem_estimate(p["kernel"], cfg, d, d, elt, bias_elt) > smem_limit:
             cfg = cfg._replace(num_stages=cfg.num_stages - 1)
         out[key] = [*cfg[:4], int(cfg.split_d), src] + _kernel_marker(cfg.kernel, cfg.dq_tile)
     return out
@@ -694,6 +702,10 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--plan", choices=sorted(PLANS), default="full")
     p.add_argument("--log", default=None, help="JSON lines of every validation and timing")
+    p.add_argument("--choices", action="store_true",
+                   help="measure the choice table (tune_choices.py) instead of the tiles")
+    p.add_argument("--classes", default=None, help="with --choices: these classes only (comma-separated)")
+    p.add_argument("--warm", action="store_true", help="with --choices: compile and run once, untimed")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -704,6 +716,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("python -m fuse_plugin.tune needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.choices:
+        from . import tune_choices
+
+        return tune_choices.main(args)
     return tune(args)
 
 

@@ -25,11 +25,11 @@ def poisoned(monkeypatch):
     """Every kernel output starts as NaN, so an element a kernel forgets to write fails a NaN or
     accuracy check; fp32 is checked to 1e-5, so tf32 dots are switched off (the launcher follows
     this flag)."""
-    from fuse_plugin.kernels import attention as attn
+    from fuse_plugin.kernels import host
 
     from helpers import poisoned_empty
 
-    monkeypatch.setattr(attn, "_empty", poisoned_empty)
+    monkeypatch.setattr(host, "empty", poisoned_empty)
     # (not monkeypatch.setattr: cuBLASModule serves the flag through __getattr__, which newer
     # pytest refuses to patch)
     old = torch.backends.cuda.matmul.allow_tf32

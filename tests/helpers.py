@@ -123,8 +123,25 @@ def rewrite_aot_eager(gm, example_inputs):
 
 
 def poisoned_empty(shape, dtype, device, like=None):
-    """kernels/attention.py's ``_empty`` with every element NaN (same layouts)."""
+    """kernels/host.py's ``empty`` with every element NaN (same layouts)."""
     from fuse_plugin.kernels.host import layout_like
 
     t = layout_like(like, dtype) if like is not None else torch.empty(shape, dtype=dtype, device=device)
     return t.fill_(float("nan"))
+
+
+def chosen_family(monkeypatch, direction, entry, q, bias=None, softcap=0.0, replace=None, config=None):
+    """The kernel family the registry chooses for an attention call on q (as q, k and v) when the
+    tuning table's entry for it is ``entry`` (an AttentionConfig)."""
+    from fuse_plugin.kernels import registry
+    from fuse_plugin.kernels.call import AttentionCall
+
+    monkeypatch.setattr(registry, "table_config", lambda *a: entry)
+    kw = dict(is_causal=False, scale=0.1, softcap=softcap, replace=replace, config=config)
+    if direction == "fwd":
+        call = AttentionCall.forward(q, q, q, bias, **kw)
+    else:
+        out = torch.zeros_like(q)
+        call = AttentionCall.backward(out, q, q, q, bias, out, torch.zeros(q.shape[:3]), need_dbias=False,
+                                      deterministic=False, **kw)
+    return registry.choose(call)[0].name

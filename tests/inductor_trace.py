@@ -91,10 +91,11 @@ def summary(gm: fx.GraphModule) -> dict:
                 if arg not in clones and src.target is not torch.ops.aten.as_strided.default:
                     direct_descriptor_reads.append(f"{name}.{arg}")
             for c in clones:  # a clone of anything but a fresh buffer would copy an input
-                src = n.kwargs["kwargs"][c]
+                src = n.kwargs["kwargs"][c]  # (zeroed buffers: a kernel's atomic accumulator)
                 if not (src.op == "call_function" and src.target in (
                         torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                        torch.ops.aten.empty_like.default)
+                        torch.ops.aten.empty_like.default, torch.ops.aten.zero.default,
+                        torch.ops.aten.zeros.default)
                         or src.target is operator.getitem):
                     cloned_inputs.append(f"{name}.{c}")
         elif str(n.target).startswith("fuse_plugin."):
@@ -158,6 +159,30 @@ def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias
                               extra[-1] if replace else None)
 
     return trace(fn, q, k, v, dout, *extra)
+
+
+def small_case(p=0.0):
+    """The small family (forced: by no rule of its own it is taken only where measured) on Swin's
+    shifted windows: 8 windows of 49 tokens, 3 heads of 32, a window-periodic float bias
+    (4, 3, 49, 49) with its gradient."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fuse_plugin.kernels import registry
+
+    mode = FakeTensorMode()
+    q, k, v, dout = (fake(mode, 8, 3, 49, 32) for _ in range(4))
+    bias = fake(mode, 4, 3, 49, 49, dtype=torch.float32)
+    extra = []
+    if p:
+        with mode:
+            extra.append(torch.zeros((), dtype=torch.int64, device="cuda"))
+
+    def fn(q, k, v, dout, bias, *seed):
+        return attention_pair(q, k, v, dout, bias, is_causal=False, need_dbias=True, p=p,
+                              seed=seed[0] if p else None)
+
+    with registry.forced("small"):
+        return trace(fn, q, k, v, dout, bias, *extra)
 
 
 def decode_case(B=2, Hq=16, Hkv=4, Lq=1, Lk=1024, D=64, mask="float"):
@@ -310,6 +335,8 @@ CASES = {
     "rope_attention": rope_attention_case,
     # flash-decoding forward (Lq 1, 1024 keys), float and bool masks
     "decode": decode_case,
+    "small_swin": small_case,
+    "small_dropout": lambda: small_case(p=0.1),
     "decode_bool": lambda: decode_case(B=1, Hq=12, Hkv=4, Lq=4, Lk=300, D=128, mask="bool"),
     # never decomposed: CPU tensors (the reference; CI's interpreter path)
     "cpu": lambda: attention_case(1, 2, 2, 40, 64, dtype=torch.float32, device="cpu"),
@@ -374,7 +401,7 @@ CUDNN_CASES = {
     # what cuDNN does not take: a bias, dropout, D 256, Lq != Lk with causal; and switched off
     "cudnn_refused_bias": lambda: attention_case(1, 4, 4, 1024, 64, mask="float", is_causal=False),
     "cudnn_refused_dropout": lambda: attention_case(1, 4, 4, 1024, 64, p=0.1),
-    "cudnn_refused_d256": lambda: attention_case(1, 4, 4, 1024, 256),
+    "cudnn_d256": lambda: attention_case(1, 4, 4, 1024, 256),
 }
 
 
@@ -398,15 +425,17 @@ def run_case(name: str) -> dict:
         if name in ("gluon", "gluon_small"):
             # As on an H100 with Triton 3.6 (the platform checks pass), what is left is the traced
             # rule: a large problem keeps its Gluon kernels as opaque ops, a small one does not.
-            def fwd(q, k, is_causal=False):
-                return attn._gluon_traced_ineligible(q, k, is_causal)
+            from fuse_plugin.kernels import attention_hopper as hopper
 
-            def bwd(q, k, v, out, dout, kind, rc, dropout, is_causal, *rest):
-                return attn._gluon_traced_ineligible(q, k, is_causal)
+            def fwd(call):
+                return hopper.why_not_gluon_traced(call)
+
+            def bwd(call, cfg):
+                return hopper.why_not_gluon_traced(call)
 
             shape = (1, 16, 4, 4096, 128) if name == "gluon" else (2, 8, 2, 1024, 128)
-            with mock.patch.object(attn, "_gluon_platform_ineligible", fwd), \
-                    mock.patch.object(attn, "_gluon_bwd_ineligible", bwd):
+            with mock.patch.object(hopper, "why_not_gluon_platform", fwd), \
+                    mock.patch.object(hopper, "why_not_gluon_bwd", bwd):
                 return summary(attention_case(*shape, is_causal=True))
         if name == "d64_n2000_cudagraphs":  # CUDA graphs replay without host time: TMA again
             from torch._inductor import config

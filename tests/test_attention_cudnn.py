@@ -33,6 +33,7 @@ def with_cudnn(monkeypatch):
 def test_plain_problems_take_it(with_cudnn):
     q, k, v = fake_qkv()
     assert cudnn.why_not(q, k, v, None, is_causal=True, capability=H100) is None
+    assert cudnn.why_not(*fake_qkv(D=256), None, is_causal=True, capability=H100) is None
     assert cudnn.family("fwd", q, k, v, None, is_causal=True, capability=H100) == "cudnn"
     assert cudnn.family("bwd", q, k, v, None, is_causal=True, capability=H100) == "cudnn"
 
@@ -47,7 +48,6 @@ def test_lengths_where_it_wins(with_cudnn, Lq, fwd, bwd):
 @pytest.mark.parametrize("change, reason", [
     (dict(capability=(8, 0)), "measured on sm 90 only"),
     (dict(dtype=torch.float32), "torch.float32"),
-    (dict(D=256), "head dims 256/256"),
     (dict(D=72, Dv=64), "head dims 72/64"),
     (dict(bias=True), "a bias"),
     (dict(dropout=True), "dropout"),
@@ -80,10 +80,10 @@ def test_switched_off_or_absent(monkeypatch):
 
 
 def _gpu_family_ready() -> bool:
-    from fuse_plugin.kernels import attention as attn
+    from fuse_plugin.kernels import attention_hopper as Hop
 
     return (torch.cuda.is_available() and torch.backends.cudnn.is_available()
-            and attn._capability(torch.device("cuda")) == cudnn.CAPABILITY)
+            and Hop.capability(torch.device("cuda")) == cudnn.CAPABILITY)
 
 
 gpu = pytest.mark.skipif(not _gpu_family_ready(),
@@ -106,6 +106,7 @@ def reference(q, k, v, is_causal, scale, dout):
     (2, 6, 6, 197, 64, False, "bwd"),  # ViT: our forward, cuDNN's backward
     (1, 8, 2, 1024, 128, True, "both"),  # GQA, causal
     (2, 4, 4, 1000, 96, False, "both"),
+    (1, 4, 4, 600, 256, True, "both"),  # D 256 (cuDNN from this stop)
 ])
 def test_op_matches_reference(monkeypatch, B, Hq, Hkv, L, D, causal, which):
     calls = []

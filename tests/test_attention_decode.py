@@ -196,16 +196,31 @@ def test_causal_top_left():
     check(out, lse, ref_out, ref_lse, dtype)
 
 
+def _family(Lq, Lk, config=False, rope=False, dropout=False, softcap=False, replace=False):
+    """The forward family the registry chooses for such a call (CPU tensors: the interpreter's)."""
+    from fuse_plugin.kernels import registry
+    from fuse_plugin.kernels.call import AttentionCall, Rope
+
+    q, k = torch.zeros(1, 2, Lq, 16), torch.zeros(1, 2, Lk, 16)
+    bias = torch.zeros(1, 2, Lq, Lk) if replace else None
+    call = AttentionCall.forward(
+        q, k, k, bias, is_causal=False, scale=0.25,
+        config=attn.AttentionConfig(16, 16, 4, 1) if config else None,
+        rope=Rope(torch.ones(16), torch.zeros(16), False, 16) if rope else None,
+        dropout_p=0.1 if dropout else 0.0,
+        dropout_seed=torch.zeros((), dtype=torch.int64) if dropout else None,
+        softcap=30.0 if softcap else 0.0,
+        replace=torch.zeros(1, 2, Lq, Lk, dtype=torch.bool) if replace else None)
+    return registry.choose(call)[0].name
+
+
 def test_forward_family_choice():
-    fam = attn._forward_family
     for Lq, Lk in [(1, 256), (1, 768), (4, 4352), (16, 4352)]:
-        assert fam(Lq, Lk, False, False, False, False) == "decode", (Lq, Lk)
+        assert _family(Lq, Lk) == "decode", (Lq, Lk)
     for Lq, Lk in [(17, 4352), (1, 255), (16, 100), (512, 512)]:
-        assert fam(Lq, Lk, False, False, False, False) == "general", (Lq, Lk)
-    for flags in [(True, False, False, False), (False, True, False, False),
-                  (False, False, True, False), (False, False, False, True)]:
-        assert fam(1, 4352, *flags) == "general", flags  # config, rope, dropout, softcap
-    assert fam(1, 4352, False, False, False, False, True) == "general"  # a replace mask
+        assert _family(Lq, Lk) == "general", (Lq, Lk)
+    for flag in ("config", "rope", "dropout", "softcap", "replace"):
+        assert _family(1, 4352, **{flag: True}) == "general", flag
 
 
 def test_num_splits():
@@ -221,13 +236,13 @@ def spy(monkeypatch, poisoned):
     """Counts the decode launches made through kernels/attention.py's dispatch (outputs
     poisoned: conftest's ``poisoned``)."""
     calls = []
-    real = attn.attention_decode_forward
+    real = dec.attention_decode_forward
 
     def spying(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(attn, "attention_decode_forward", spying)
+    monkeypatch.setattr(dec, "attention_decode_forward", spying)
     return calls
 
 

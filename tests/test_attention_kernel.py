@@ -12,6 +12,10 @@ import helpers
 from helpers import DEVICE, poisoned_empty, rel_err
 
 from fuse_plugin.kernels import attention as attn
+from fuse_plugin.kernels import attention_config as C
+from fuse_plugin.kernels import attention_general as G
+from fuse_plugin.kernels import attention_hopper as Hop
+from fuse_plugin.kernels import host, registry
 from fuse_plugin.kernels.host import layout_like
 
 NEG_INF = float("-inf")
@@ -22,6 +26,14 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:divide by zero encountered:RuntimeWarning")
 
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def _home(name: str):
+    """The launch module that calls kernel ``name`` (where a spy must replace it)."""
+    for module in (G, Hop):
+        if hasattr(module, name):
+            return module
+    raise AttributeError(name)
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +134,7 @@ def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False
     cfg_f = cfg_b = None
     if config is not None:  # a Gluon forward config leaves the backward to the table
         cfg_f = attn.AttentionConfig(*config)
-        cfg_b = None if cfg_f.kernel in attn._GLUON_KERNELS else cfg_f
+        cfg_b = None if cfg_f.kernel in C.GLUON_FWD_KERNELS else cfg_f
     if config_bwd is not None:
         cfg_b = attn.AttentionConfig(*config_bwd)
     out, lse = attn.attention_forward(q, k, v, bias_t, is_causal=causal, scale=scale, config=cfg_f)
@@ -151,8 +163,10 @@ def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal, bias, transposed=False
         assert got.stride() == layout_like(want, want.dtype).stride(), (name, got.stride(), want.stride())
         check_close(name, got, ref.grad, tol)
     if need_dbias:
-        assert dbias.shape == (B, Hq, Lq, Lk) and dbias.dtype == torch.float32
-        check_close("dbias", dbias, ref_bias.grad, tol)
+        # summed over the dims the bias broadcasts over (stride 0): its un-broadcast shape
+        want = tuple(1 if st == 0 else n for n, st in zip(bias_t.shape, bias_t.stride()))
+        assert dbias.shape == want and dbias.dtype == torch.float32
+        check_close("dbias", dbias, ref_bias.grad.sum_to_size(want), tol)
     else:
         assert dbias is None
 
@@ -295,10 +309,10 @@ ONE_BLOCK_CASES = {
 def test_one_key_block_backward(monkeypatch, case):
     """Lk <= BLOCK_N: one launch of attention_bwd_kernel and nothing else (no preprocess, no dQ
     cast), gradients against float64."""
-    spies = {n: _LaunchSpy(getattr(attn, n)) for n in (
+    spies = {n: _LaunchSpy(getattr(_home(n), n)) for n in (
         "attention_bwd_kernel", "attention_bwd_preprocess_kernel", "attention_dq_cast_kernel")}
     for n, spy in spies.items():
-        monkeypatch.setattr(attn, n, spy)
+        monkeypatch.setattr(_home(n), n, spy)
     run_case(**case)
     assert [s.launches for s in spies.values()] == [1, 0, 0]
 
@@ -317,11 +331,11 @@ def test_configs_fit_head_dims():
     """Default tiles are powers of 2 >= 16 for every supported head dim and dtype."""
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         for d in (16, 64, 80, 96, 128, 160, 192, 256):
-            for cfg in (attn._forward_config(d, d, dtype), attn._backward_config(d, d, dtype),
-                        attn._deterministic_backward_config(d, d, dtype)):
+            for cfg in (C.forward_config(d, d, dtype), C.backward_config(d, d, dtype),
+                        C.deterministic_backward_config(d, d, dtype)):
                 for blk in (cfg.block_m, cfg.block_n):
                     assert blk >= 16 and blk & (blk - 1) == 0
-            assert attn._block_d(d) == max(16, 1 << math.ceil(math.log2(d)))
+            assert C.block_d(d) == max(16, 1 << math.ceil(math.log2(d)))
 
 
 def test_launch_checks():
@@ -331,21 +345,21 @@ def test_launch_checks():
         attn.attention_forward(q, q, q, None, is_causal=False, scale=1.0,
                                config=attn.AttentionConfig(24, 16, 4, 1))
     with pytest.raises(ValueError, match="overflow int32"):
-        attn._check_tile_offsets([("bias", 2**28, 1, 16, 16)])  # 15 * 2**28 > 2**31
-    attn._check_tile_offsets([("bias", 2**28, 1, 8, 16)])  # 7 * 2**28 + 15 < 2**31
+        G.check_tile_offsets([("bias", 2**28, 1, 16, 16)])  # 15 * 2**28 > 2**31
+    G.check_tile_offsets([("bias", 2**28, 1, 8, 16)])  # 7 * 2**28 + 15 < 2**31
 
 
 def test_head_dim_split():
     """Split head dims cover d with two powers of 2 only where that saves padding."""
-    assert attn._d_parts(80, True) == (64, 16)
-    assert attn._d_parts(96, True) == (64, 32)
-    assert attn._d_parts(160, True) == (128, 32)
-    assert attn._d_parts(192, True) == (128, 64)
-    assert attn._d_parts(112, True) == (128, 0)  # 64 + 64 saves nothing
-    assert attn._d_parts(128, True) == (128, 0)
-    assert attn._d_parts(80, False) == (128, 0)
+    assert C.d_parts(80, True) == (64, 16)
+    assert C.d_parts(96, True) == (64, 32)
+    assert C.d_parts(160, True) == (128, 32)
+    assert C.d_parts(192, True) == (128, 64)
+    assert C.d_parts(112, True) == (128, 0)  # 64 + 64 saves nothing
+    assert C.d_parts(128, True) == (128, 0)
+    assert C.d_parts(80, False) == (128, 0)
     for d in range(16, 257):
-        d0, d1 = attn._d_parts(d, True)
+        d0, d1 = C.d_parts(d, True)
         assert d0 + d1 >= d and (d1 == 0 or d0 < d)
 
 
@@ -355,7 +369,7 @@ def test_deterministic_flag_picks_atomic_free_path(monkeypatch, D):
     kernels; the results agree with the atomic path to rounding."""
     calls = []
     for name in ("attention_bwd_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
-        kernel = getattr(attn, name)
+        kernel = getattr(_home(name), name)
 
         class Spy:
             def __init__(self, kernel, name):
@@ -365,7 +379,7 @@ def test_deterministic_flag_picks_atomic_free_path(monkeypatch, D):
                 calls.append(self.name)
                 return self.kernel[grid]
 
-        monkeypatch.setattr(attn, name, Spy(kernel, name))
+        monkeypatch.setattr(_home(name), name, Spy(kernel, name))
     torch.manual_seed(0)
     q, k, v = make_qkv(1, 2, 1, 40, 40, D, D, torch.float16, False)
     dout = torch.randn_like(q)
@@ -388,10 +402,10 @@ def test_deterministic_flag_picks_atomic_free_path(monkeypatch, D):
 def test_two_kernel_config_runs_the_atomic_free_pair(monkeypatch):
     """A "two_kernel" config (user-given or a table entry) runs the atomic-free pair outside
     deterministic mode too, with the same gradients; the forward refuses it by name."""
-    spies = {n: _LaunchSpy(getattr(attn, n)) for n in
+    spies = {n: _LaunchSpy(getattr(_home(n), n)) for n in
              ("attention_bwd_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel")}
     for n, spy in spies.items():
-        monkeypatch.setattr(attn, n, spy)
+        monkeypatch.setattr(_home(n), n, spy)
     torch.manual_seed(0)
     q, k, v = make_qkv(1, 4, 2, 40, 40, 32, 32, torch.bfloat16, False)
     dout = torch.randn_like(q)
@@ -403,7 +417,7 @@ def test_two_kernel_config_runs_the_atomic_free_pair(monkeypatch):
     got = attn.attention_backward(dout, q, k, v, None, out, lse, is_causal=True, scale=0.2,
                                   need_dbias=False, config=two, deterministic=False)[:3]
     assert [s.launches for s in spies.values()] == [1, 1, 1]
-    monkeypatch.setattr(attn, "_pick_config", lambda *a: two)
+    monkeypatch.setattr(registry, "table_config", lambda *a: two)
     table = attn.attention_backward(dout, q, k, v, None, out, lse, is_causal=True, scale=0.2,
                                     need_dbias=False, deterministic=False)[:3]
     assert [s.launches for s in spies.values()] == [1, 2, 2]
@@ -434,7 +448,7 @@ def test_out_of_resources_falls_back(monkeypatch):
     passed is not second-guessed."""
     from triton.runtime.errors import OutOfResources
 
-    monkeypatch.setattr(attn, "_FAILED_CONFIGS", {})
+    monkeypatch.setattr(G, "_FAILED_CONFIGS", {})
     big = attn.AttentionConfig(128, 128, 8, 3)
     seen = []
 
@@ -445,18 +459,18 @@ def test_out_of_resources_falls_back(monkeypatch):
         return "ok"
 
     with pytest.warns(RuntimeWarning, match="does not fit"):
-        assert attn._launch(launch, big, user_given=False) == "ok"
+        assert G.with_retry(launch, big, user_given=False) == "ok"
     assert seen == [big, big._replace(num_stages=2), big._replace(num_stages=1),
-                    attn._SAFE_CONFIG]
+                    C.SAFE_CONFIG]
     seen.clear()
-    assert attn._launch(launch, big, user_given=False) == "ok"  # remembered: no retries
-    assert seen == [attn._SAFE_CONFIG]
+    assert G.with_retry(launch, big, user_given=False) == "ok"  # remembered: no retries
+    assert seen == [C.SAFE_CONFIG]
     with pytest.raises(OutOfResources):
-        attn._launch(launch, big, user_given=True)
+        G.with_retry(launch, big, user_given=True)
 
     seen.clear()
     fits_with_two = attn.AttentionConfig(64, 128, 8, 4)
-    monkeypatch.setattr(attn, "_FAILED_CONFIGS", {})
+    monkeypatch.setattr(G, "_FAILED_CONFIGS", {})
 
     def launch2(cfg):
         seen.append(cfg)
@@ -465,7 +479,7 @@ def test_out_of_resources_falls_back(monkeypatch):
         return "ok"
 
     with pytest.warns(RuntimeWarning):
-        assert attn._launch(launch2, fits_with_two, user_given=False) == "ok"
+        assert G.with_retry(launch2, fits_with_two, user_given=False) == "ok"
     assert seen[-1] == fits_with_two._replace(num_stages=2)
 
 
@@ -529,9 +543,9 @@ def test_key_padding_bias_is_read_per_key(monkeypatch, bias, keys, deterministic
     that varies over queries is read as tiles. Results against float64 as everywhere."""
     names = ("attention_fwd_kernel", "attention_bwd_kernel", "attention_bwd_preprocess_kernel",
              "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel")
-    spies = {n: _ArgSpy(getattr(attn, n)) for n in names}
+    spies = {n: _ArgSpy(getattr(_home(n), n)) for n in names}
     for n, spy in spies.items():
-        monkeypatch.setattr(attn, n, spy)
+        monkeypatch.setattr(_home(n), n, spy)
     run_case(dtype=torch.float32, B=2, Hq=2, Hkv=1, Lq=20, Lk=40, D=16, Dv=16, causal=False,
              bias=bias, config=(16, 16, 4, 1), deterministic=deterministic)
     seen = [kw["BIAS_KEYS"] for spy in spies.values() for kw in spy.kwargs]
@@ -544,8 +558,8 @@ def test_tma_kernels_match_reference(monkeypatch, case):
     no TMA variant and ignores the flag."""
     spies = {}
     for name in ("attention_fwd_tma_kernel", "attention_bwd_tma_kernel"):
-        spies[name] = _LaunchSpy(getattr(attn, name))
-        monkeypatch.setattr(attn, name, spies[name])
+        spies[name] = _LaunchSpy(getattr(_home(name), name))
+        monkeypatch.setattr(_home(name), name, spies[name])
     run_case(**case)
     assert all(s.launches == 1 for s in spies.values()), {n: s.launches for n, s in spies.items()}
     run_case(**case, deterministic=True)
@@ -572,8 +586,8 @@ def test_tma_pair_matches_reference(monkeypatch, case):
     spies = {}
     for name in ("attention_bwd_dkdv_tma_kernel", "attention_bwd_dq_tma_kernel",
                  "attention_bwd_tma_kernel", "attention_bwd_kernel", "attention_bwd_dkdv_kernel"):
-        spies[name] = _LaunchSpy(getattr(attn, name))
-        monkeypatch.setattr(attn, name, spies[name])
+        spies[name] = _LaunchSpy(getattr(_home(name), name))
+        monkeypatch.setattr(_home(name), name, spies[name])
     case = {n: v for n, v in case.items() if n != "config"}
     for det in (False, True):
         run_case(**case, config_bwd=TMA_PAIR_CONFIG, deterministic=det)
@@ -606,11 +620,11 @@ def test_tma_pair_refused_or_replaced_where_it_cannot_run(monkeypatch):
     bwd = lambda cfg, **kw: attn.attention_backward(  # noqa: E731
         out, q, k, v, kw.pop("bias", None), out, lse, is_causal=True, scale=0.1,
         need_dbias=kw.pop("need_dbias", False), config=cfg, **kw)
-    with pytest.raises(ValueError, match=r"TMA backward pair, but it needs D == Dv in \(64, 128, 256\)"):
+    with pytest.raises(ValueError, match=r"'tma_pair' kernel family cannot run this problem \(.*\): it needs D == Dv in \(64, 128, 256\)"):
         bwd(pair)
     q64, k64, v64 = (t[..., :64].contiguous() for t in (q, k, v))
     o64, l64 = attn.attention_forward(q64, k64, v64, None, is_causal=True, scale=0.1)
-    with pytest.raises(ValueError, match="TMA backward pair, but it writes no dbias"):
+    with pytest.raises(ValueError, match=r"'tma_pair' kernel family cannot run this problem \(.*\): it writes no dbias"):
         attn.attention_backward(o64, q64, k64, v64, None, o64, l64, is_causal=True, scale=0.1,
                                 need_dbias=True, config=pair)
     for bad, match in ((pair._replace(dq_tile=(24, 16, 4, 1)), "powers of 2"),
@@ -623,13 +637,13 @@ def test_tma_pair_refused_or_replaced_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="'tma_pair' is not a fwd kernel"):
         attn.attention_forward(q64, k64, v64, None, is_causal=True, scale=0.1, config=pair)
     # Table path: D 96 -> the general pair (deterministic tiles), right answer.
-    spies = {n: _LaunchSpy(getattr(attn, n)) for n in
+    spies = {n: _LaunchSpy(getattr(_home(n), n)) for n in
              ("attention_bwd_dq_tma_kernel", "attention_bwd_dkdv_kernel", "attention_bwd_kernel")}
     for n, spy in spies.items():
-        monkeypatch.setattr(attn, n, spy)
-    monkeypatch.setattr(attn, "_pick_config", lambda *a: pair)
+        monkeypatch.setattr(_home(n), n, spy)
+    monkeypatch.setattr(registry, "table_config", lambda *a: pair)
     got = bwd(None)[:3]
-    want = bwd(attn._deterministic_backward_config(96, 96, torch.float16)._replace(
+    want = bwd(C.deterministic_backward_config(96, 96, torch.float16)._replace(
         kernel="two_kernel"))[:3]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert [s.launches for s in spies.values()] == [0, 2, 0]
@@ -643,8 +657,8 @@ def test_tma_pair_refused_or_replaced_where_it_cannot_run(monkeypatch):
 def _gluon_why_not() -> str | None:
     if not torch.cuda.is_available():
         return "the Gluon kernels need a CUDA GPU (sm_90 with Triton 3.6); CI runs on the CPU"
-    if not attn.gluon_fwd.GLUON_AVAILABLE:
-        return attn.gluon_fwd._GLUON_WHY_NOT
+    if not Hop.gluon_fwd.GLUON_AVAILABLE:
+        return Hop.gluon_fwd._GLUON_WHY_NOT
     if torch.cuda.get_device_capability() != (9, 0):
         return "the Gluon kernels run on sm_90 (Hopper) only"
     return None
@@ -663,9 +677,9 @@ def test_gluon_forward_matches_reference(monkeypatch, case, cfg):
     """The warp-specialised Gluon forward on the TMA kernels' cases (GQA, transposed layout,
     Lq != Lk both ways, one query), its outputs poisoned with NaN beforehand (an unwritten
     element fails); the backward runs from its out / lse."""
-    monkeypatch.setattr(attn, "_empty", poisoned_empty)
-    spy = _LaunchSpy(attn.gluon_fwd.attention_fwd_gluon_kernel)
-    monkeypatch.setattr(attn.gluon_fwd, "attention_fwd_gluon_kernel", spy)
+    monkeypatch.setattr(host, "empty", poisoned_empty)
+    spy = _LaunchSpy(Hop.gluon_fwd.attention_fwd_gluon_kernel)
+    monkeypatch.setattr(Hop.gluon_fwd, "attention_fwd_gluon_kernel", spy)
     run_case(**(case | dict(config=cfg)))
     assert spy.launches == 1
 
@@ -676,10 +690,10 @@ def test_gluon_forward_matches_reference(monkeypatch, case, cfg):
 def test_gluon_backward_matches_reference(monkeypatch, case, cfg):
     """The warp-specialised Gluon backward on the TMA kernels' cases (the forward from the
     table), outputs poisoned with NaN beforehand."""
-    spy = _LaunchSpy(attn.gluon_bwd._attn_bwd_ws_kernel)
-    monkeypatch.setattr(attn.gluon_bwd, "_attn_bwd_ws_kernel", spy)
-    launcher = attn.gluon_bwd.attention_backward_gluon
-    monkeypatch.setattr(attn.gluon_bwd, "attention_backward_gluon",
+    spy = _LaunchSpy(Hop.gluon_bwd._attn_bwd_ws_kernel)
+    monkeypatch.setattr(Hop.gluon_bwd, "_attn_bwd_ws_kernel", spy)
+    launcher = Hop.gluon_bwd.attention_backward_gluon
+    monkeypatch.setattr(Hop.gluon_bwd, "attention_backward_gluon",
                         lambda *a, **kw: launcher(*a, **kw, poison=True))
     run_case(**(case | dict(config=None, config_bwd=cfg)))
     assert spy.launches == 1
@@ -690,7 +704,7 @@ def test_gluon_backward_pre_and_post_kernels():
     Delta and lse * log2(e) per row into buffers padded to whole query blocks (padding rows 0 and
     +inf), the dQ accumulator zeroed; the scaled cast of dQ into a strided output; the sum of the
     GQA split's fp32 dK / dV partials. Outputs poisoned with NaN beforehand."""
-    G = attn.gluon_bwd
+    G = Hop.gluon_bwd
     torch.manual_seed(0)
     B, Hq, Lq, D, pad = 2, 3, 77, 64, 128
     o = torch.randn(B, Lq, Hq, D, device=DEVICE).transpose(1, 2)
@@ -725,11 +739,11 @@ def test_gluon_config_refused_or_replaced_where_it_cannot_run(monkeypatch):
     q, k, v = make_qkv(1, 4, 2, 40, 40, 64, 64, torch.bfloat16, False)
     gluon = attn.AttentionConfig(128, 128, 4, 2, False, "gluon_pingpong")
     bias = torch.zeros(1, 1, 40, 40, device=DEVICE, dtype=torch.bfloat16).expand(1, 4, 40, 40)
-    cases = [(bias, "it takes no bias, dropout or rope")]
+    cases = [(bias, "it takes no bias, dropout, softcap, replace mask or rope")]
     if _gluon_why_not() is not None:
         cases.append((None, ""))
     for b, why in cases:
-        with pytest.raises(ValueError, match="asks for the Gluon forward kernel, but " + why):
+        with pytest.raises(ValueError, match=r"'gluon' kernel family cannot run this problem \(.*\): " + why):
             attn.attention_forward(q, k, v, b, is_causal=True, scale=0.125, config=gluon)
     with pytest.raises(ValueError, match="block_m 128 or 256"):
         attn.attention_forward(q, k, v, None, is_causal=True, scale=0.125,
@@ -743,17 +757,17 @@ def test_gluon_config_refused_or_replaced_where_it_cannot_run(monkeypatch):
                                config=gluon._replace(kernel="gluon_lpt"))
     gluon_bwd = attn.AttentionConfig(64, 128, 8, 2, False, "gluon_lpt")
     for b, why in cases:
-        with pytest.raises(ValueError, match="asks for the Gluon backward kernel, but " + why):
+        with pytest.raises(ValueError, match=r"'gluon' kernel family cannot run this problem \(.*\): " + why):
             attn.attention_backward(out, q, k, v, b, out, lse, is_causal=True, scale=0.125,
                                     need_dbias=False, config=gluon_bwd, deterministic=False)
-    with pytest.raises(ValueError, match="Gluon backward kernel, but it has no tiles m16n128s2xl"):
+    with pytest.raises(ValueError, match=r"'gluon' kernel family cannot run this problem \(.*\): it has no tiles m16n128s2xl"):
         attn.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.125,
                                 need_dbias=False, config=gluon_bwd._replace(block_m=16))
     # Table path: a Gluon entry on a problem it cannot run -> the TMA kernel (no bias) or the
     # general kernel (bias), both right.
-    monkeypatch.setattr(attn, "_pick_config", lambda *a: gluon)
-    spy = _LaunchSpy(attn.attention_fwd_tma_kernel)
-    monkeypatch.setattr(attn, "attention_fwd_tma_kernel", spy)
+    monkeypatch.setattr(registry, "table_config", lambda *a: gluon)
+    spy = _LaunchSpy(Hop.attention_fwd_tma_kernel)
+    monkeypatch.setattr(Hop, "attention_fwd_tma_kernel", spy)
     for b in (bias, None):
         got, _ = attn.attention_forward(q, k, v, b, is_causal=True, scale=0.125)
         want, _ = reference(q.double(), k.double(), v.double(),
@@ -761,12 +775,12 @@ def test_gluon_config_refused_or_replaced_where_it_cannot_run(monkeypatch):
         assert rel_err(got, want) < 1e-2
     assert spy.launches == (1 if _gluon_why_not() is not None else 0)
     # ... and a Gluon backward entry on a problem it cannot run -> the general kernel.
-    monkeypatch.setattr(attn, "_pick_config", lambda *a: gluon_bwd)
+    monkeypatch.setattr(registry, "table_config", lambda *a: gluon_bwd)
     general = attn.attention_backward(out, q, k, v, bias, out, lse, is_causal=True, scale=0.125,
                                       need_dbias=False, deterministic=False)[:3]
     want = attn.attention_backward(out, q, k, v, bias, out, lse, is_causal=True, scale=0.125,
                                    need_dbias=False, deterministic=False,
-                                   config=attn._backward_config(64, 64, torch.bfloat16))[:3]
+                                   config=C.backward_config(64, 64, torch.bfloat16))[:3]
     # dK/dV are summed in registers (same bits); dQ by atomics, in any order on a GPU
     assert torch.equal(general[1], want[1]) and torch.equal(general[2], want[2])
     assert rel_err(general[0], want[0]) < 1e-2
@@ -780,7 +794,7 @@ def test_tma_kernels_refuse_what_they_do_not_cover(monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 20, 20, 64, 64, torch.float16, False)
     bias = torch.zeros(1, 2, 20, 20, device=DEVICE, dtype=torch.float16)
     for args, match in (
-            (dict(bias=bias), "no bias, dropout or rope"),
+            (dict(bias=bias), "no bias, dropout, softcap, replace mask or rope"),
             (dict(q=q.float(), k=k.float(), v=v.float()), "fp16/bf16"),
             (dict(scale=-0.5), "positive scale"),
             (dict(q=q[..., :48], k=k[..., :48], v=v[..., :48]), "D == Dv in"),
@@ -802,12 +816,12 @@ def test_tma_kernels_refuse_what_they_do_not_cover(monkeypatch):
     ref1, _ = reference(q1.double(), k.double(), v.double(), None, False, 0.125)
     assert rel_err(out1, ref1) < 1e-2
     out, lse = attn.attention_forward(q, k, v, None, is_causal=False, scale=0.125)
-    with pytest.raises(ValueError, match="TMA backward kernel, but it writes no dbias"):
+    with pytest.raises(ValueError, match=r"'tma' kernel family cannot run this problem \(.*\): it writes no dbias"):
         attn.attention_backward(out, q, k, v, None, out, lse, is_causal=False, scale=0.125,
                                 need_dbias=True, config=tma, deterministic=False)
     # Table path: the entry says TMA, the problem has a bias -> general kernel, right answer.
-    monkeypatch.setattr(attn, "_pick_config", lambda *a: tma)
-    monkeypatch.setattr(attn, "_launch_fwd_tma", lambda *a: pytest.fail("TMA kernel launched"))
+    monkeypatch.setattr(registry, "table_config", lambda *a: tma)
+    monkeypatch.setattr(Hop, "run_forward_tma", lambda *a: pytest.fail("TMA kernel launched"))
     out, _ = attn.attention_forward(q, k, v, bias, is_causal=True, scale=0.125)
     ref, _ = reference(q.double(), k.double(), v.double(), bias.double(), True, 0.125)
     assert rel_err(out, ref) < 1e-2

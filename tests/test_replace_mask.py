@@ -17,7 +17,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import DEVICE, check_close, capture, rel_err, rewrite_aot_eager
+from helpers import DEVICE, check_close, capture, chosen_family, rel_err, rewrite_aot_eager
 from torch._dynamo.utils import counters
 
 import fuse_plugin  # noqa: F401  (registers the ops)
@@ -187,22 +187,23 @@ def test_bad_replace(what):
 
 
 @pytest.mark.parametrize("kernel,name", [("fwd", "tma"), ("fwd", "gluon"), ("bwd", "tma_pair"), ("bwd", "gluon")])
-def test_no_tma_or_gluon_with_replace(kernel, name):
+def test_no_tma_or_gluon_with_replace(monkeypatch, kernel, name):
     """A table entry naming a TMA/Gluon kernel yields to the general kernels (which take the replace
     mask); a user-given config naming one raises."""
     q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    bias = torch.zeros(1, 2, 64, 64)
+    replace = torch.zeros(1, 2, 64, 64, dtype=torch.bool)
     entry = attn.AttentionConfig(128, 64, 4, 2, False, name)
-    assert attn._softcap_config(kernel, entry, False, 64, 64, q, 4, "replace mask").kernel \
-        in attn._SOFTCAP_KERNELS[kernel]
-    with pytest.raises(ValueError, match="no replace mask"):
-        attn._softcap_config(kernel, entry, True, 64, 64, q, 4, "replace mask")
+    assert chosen_family(monkeypatch, kernel, entry, q, bias=bias, replace=replace) in ("general", "two_kernel")
+    with pytest.raises(ValueError, match="replace mask"):
+        chosen_family(monkeypatch, kernel, entry, q, bias=bias, replace=replace, config=entry)
 
 
 def test_user_tma_config_with_replace_raises():
     q = torch.randn(1, 1, 16, 64, dtype=torch.bfloat16, device=DEVICE)
     bias = torch.zeros(1, 1, 16, 16, device=DEVICE)
     replace = torch.zeros(1, 1, 16, 16, dtype=torch.bool, device=DEVICE)
-    with pytest.raises(ValueError, match="no replace mask"):
+    with pytest.raises(ValueError, match="no bias, dropout, softcap, replace mask"):
         attn.attention_forward(q, q, q, bias, is_causal=False, scale=0.1, replace=replace,
                                config=attn.AttentionConfig(64, 64, 4, 1, False, "tma"))
 

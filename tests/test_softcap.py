@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from helpers import DEVICE, check_close, rel_err, rewrite_aot_eager
+from helpers import DEVICE, check_close, chosen_family, rel_err, rewrite_aot_eager
 
 import fuse_plugin  # noqa: F401  (registers the ops)
 from fuse_plugin.kernels import attention as attn
@@ -194,23 +194,22 @@ def test_bad_softcap(bad):
 @pytest.mark.parametrize("kernel,name", [("fwd", "tma"), ("fwd", "gluon"), ("fwd", "gluon_pingpong"),
                                          ("bwd", "tma"), ("bwd", "tma_pair"), ("bwd", "gluon"),
                                          ("bwd", "gluon_lpt")])
-def test_no_tma_or_gluon_with_softcap(kernel, name):
+def test_no_tma_or_gluon_with_softcap(monkeypatch, kernel, name):
     """A table entry naming a TMA/Gluon kernel yields to the general kernels (which take the
     softcap); a user-given config naming one raises."""
     q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
     entry = attn.AttentionConfig(128, 64, 4, 2, False, name)
-    cfg = attn._softcap_config(kernel, entry, False, 64, 64, q, 0)
-    assert cfg.kernel in attn._SOFTCAP_KERNELS[kernel]
-    with pytest.raises(ValueError, match="no softcap"):
-        attn._softcap_config(kernel, entry, True, 64, 64, q, 0)
-    for ok in attn._SOFTCAP_KERNELS[kernel]:
+    assert chosen_family(monkeypatch, kernel, entry, q, softcap=5.0) in ("general", "two_kernel")
+    with pytest.raises(ValueError, match="softcap"):
+        chosen_family(monkeypatch, kernel, entry, q, softcap=5.0, config=entry)
+    for ok in ("general",) + (("two_kernel",) if kernel == "bwd" else ()):
         general = attn.AttentionConfig(32, 32, 4, 1, False, ok)
-        assert attn._softcap_config(kernel, general, True, 64, 64, q, 0) == general
+        assert chosen_family(monkeypatch, kernel, general, q, softcap=5.0, config=general) == ok
 
 
 def test_user_tma_config_with_softcap_raises():
     q = torch.randn(1, 1, 16, 64, dtype=torch.bfloat16, device=DEVICE)
-    with pytest.raises(ValueError, match="no softcap"):
+    with pytest.raises(ValueError, match="no bias, dropout, softcap"):
         attn.attention_forward(q, q, q, None, is_causal=False, scale=0.1, softcap=5.0,
                                config=attn.AttentionConfig(64, 64, 4, 1, False, "tma"))
 

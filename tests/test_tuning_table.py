@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fuse_plugin.kernels import attention as attn
+from fuse_plugin.kernels import attention_config as C
 from fuse_plugin.kernels import tuning
 
 SM90 = (9, 0)
@@ -65,7 +66,7 @@ def test_entries_well_formed(table):
             # stages, see attention._launch).
             bias_elt = {"none": 0, "bool": 1, "float": 2 if src == "tuned" else 4}[p["mask"]]
             elt = 4 if p["dtype"] == "fp32" else 2
-            smem = attn._smem_estimate(p["kernel"], attn.AttentionConfig(*cfg), d, d, elt,
+            smem = C.smem_estimate(p["kernel"], attn.AttentionConfig(*cfg), d, d, elt,
                                        bias_elt)
             assert smem <= H100_SMEM, (key, entry, smem)
 
@@ -197,7 +198,7 @@ def test_fill_table_keeps_tma_pair_entries_where_the_pair_covers_the_key():
     table = tune.fill_table({key: won}, H100_SMEM)
     assert table[key] == won
     assert table["bwd|fp16|d256|causal|none|n16384"] == won[:5] + [f"from:{key}"] + won[6:]
-    fallback = attn._deterministic_backward_config(256, 256, torch.bfloat16)
+    fallback = C.deterministic_backward_config(256, 256, torch.bfloat16)
     for mask in ("bool", "float"):  # (a float mask may be fp32: fewer stages may be fitted)
         entry = table[f"bwd|bf16|d256|causal|{mask}|n4096"]
         assert entry[:3] == list(fallback[:3]) and entry[5:] == ["heuristic", "two_kernel"]

@@ -68,6 +68,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .host import sm_count
+
 GLUON_AVAILABLE = False
 _GLUON_IMPORT_ERROR = None
 try:  # triton >= 3.6 with the Gluon Hopper API (warp_specialize(fns_and_args, warps, regs))
@@ -483,17 +485,6 @@ def kernel_constexprs(cfg: dict, head_dim: int, causal: bool, mask_k: bool, dkv_
                 WRITER_PASSES=cfg["WRITER_PASSES"])
 
 
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _SM_COUNT.get(index)
-    if sms is None:
-        sms = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms
-
-
 def default_group_split(programs: int, kv_group: int, sms: int) -> int:
     """Same rule as the Triton backward's ``_group_split`` (kernels/attention.py): share a GQA
     group's query heads over up to 4 programs (a power of 2 dividing the group) while the grid
@@ -611,7 +602,7 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     dev = q.device
     kv_group = Hq // Hkv
     n_nb = _cdiv(Lk, BN)
-    split = group_split or default_group_split(n_nb * B * Hkv, kv_group, _sm_count(dev))
+    split = group_split or default_group_split(n_nb * B * Hkv, kv_group, sm_count(dev))
     if split < 1 or kv_group % split:
         raise ValueError(f"group_split={split} does not divide the GQA group of {kv_group}")
     dkv_out = 0 if split == 1 else 1

@@ -1,10 +1,10 @@
 """Launch parameters of the attention kernels: what a call runs with, chosen once per shape.
 
-``AttentionConfig`` names a kernel family and its tiles (``KERNEL_VARIANTS``); ``_pick_config``
+``AttentionConfig`` names a kernel family and its tiles (``KERNEL_VARIANTS``); ``table_config``
 gives a problem its tuned table entry (tuning.py, the shipped H100 table) or, on a miss, the
-heuristic tiles of its family (``_forward_config``, ``_backward_config``,
-``_deterministic_backward_config``), trimmed to the GPU's shared memory (``_fit_smem``,
-``_smem_estimate``). Which family may actually run a given call (TMA, Gluon, decode, the
+heuristic tiles of its family (``forward_config``, ``backward_config``,
+``deterministic_backward_config``), trimmed to the GPU's shared memory (``fit_smem``,
+``smem_estimate``). Which family may actually run a given call (TMA, Gluon, decode, the
 general kernels) is decided by the launchers in attention.py, which fall back from a table
 entry to the heuristic tiles of a family that applies. Nothing here launches or autotunes.
 """
@@ -34,36 +34,15 @@ class AttentionConfig(NamedTuple):
     (default, atomic path): ``block_n`` keys per program (dK/dV stay in registers), ``block_m``
     queries per loop step; the deterministic backward reads them the same way in both kernels.
     ``split_d``: compute a non-power-of-2 head dim as two power-of-2 parts (see module doc).
-    ``kernel``: which kernel family runs (``KERNEL_VARIANTS``):
-
-    * ``"general"``: the general kernels (attention_fwd.py; the atomic attention_bwd_kernel);
-    * ``"tma"``: the Hopper TMA kernels (attention_fwd_tma.py / attention_bwd_tma.py) when the
-      problem is one they cover (``_tma_ineligible``); a table entry falls back to the general
-      kernel's heuristic tiles otherwise, a user-given config raises;
-    * ``"two_kernel"`` (backward only): the atomic-free pair attention_bwd_dkdv_kernel +
-      attention_bwd_dq_kernel (7 matmuls per block pair instead of 5, but no dQ atomics: faster
-      where the atomic kernel's dQ traffic or registers dominate, e.g. D 256);
-    * ``"tma_pair"`` (backward only): the atomic-free pair with TMA tiles
-      (attention_bwd_dkdv_tma_kernel + attention_bwd_dq_tma_kernel) for the TMA kernels'
-      problems with D in {64, 128, 256}: the dK/dV kernel takes (block_m, block_n,
-      num_warps, num_stages) and the dQ kernel ``dq_tile`` (the same tiles when None),
-      ``block_m`` queries and ``block_n`` keys in both. A table entry falls back to the
-      general pair with ``_deterministic_backward_config``'s tiles where it does not apply, a
-      user-given config raises;
-    * ``"gluon"`` / ``"gluon_pingpong"`` (forward only): the warp-specialised Hopper kernel
-      (attention_fwd_gluon.py; sm_90 with Triton 3.6, the TMA kernels' problems) with
-      ``block_m`` = 2 consumer warpgroups x 64 or 128 rows, ``block_n`` 64 or 128 keys,
-      ``num_stages`` K/V buffers (``num_warps`` is fixed by the kernel's partitions); the
-      ``_pingpong`` form makes the two consumers take turns on the tensor cores. A table entry
-      falls back to the TMA kernel (then the general one) where it does not apply, a
-      user-given config raises;
-    * ``"gluon"`` / ``"gluon_lpt"`` (backward): the warp-specialised Hopper backward
-      (attention_bwd_gluon.py, same problems and platform; not in deterministic mode: dQ is
-      added atomically) with ``block_n`` keys per program (two consumer warpgroups),
-      ``block_m`` queries per step and ``num_stages`` Q/dO buffers, one of its compiled
-      ``VARIANTS``; ``_lpt``: causal key blocks started heaviest first within L2-sized
-      sections. A table entry falls back to the general kernel's heuristic tiles where it does
-      not apply."""
+    ``kernel``: the Triton kernel variant these tiles are for (``KERNEL_VARIANTS``): the family
+    (registry.py, where each is described) and, for Gluon, its form. "general" and "tma" take
+    both directions; "two_kernel" and "tma_pair" are backward only ("tma_pair": the dK/dV
+    kernel's tiles, and ``dq_tile`` = (block_m, block_n, num_warps, num_stages) of its dQ kernel,
+    the same tiles when None); "gluon" / "gluon_pingpong" (forward: ``block_m`` = 2 consumer
+    warpgroups x 64 or 128 rows, ``block_n`` 64 or 128, ``num_stages`` K/V buffers) and "gluon" /
+    "gluon_lpt" (backward: one of attention_bwd_gluon.VARIANTS). A config given by the caller
+    forces its family (an error when it cannot run the call); a table entry is the measured pick
+    for its key, which the registry falls back from where the family cannot run the call."""
 
     block_m: int  # query rows per tile (power of 2, >= 16)
     block_n: int  # key rows per tile (power of 2, >= 16)
@@ -81,26 +60,26 @@ class AttentionConfig(NamedTuple):
 
 KERNEL_VARIANTS = ("general", "tma", "two_kernel", "tma_pair", "gluon", "gluon_pingpong",
                    "gluon_lpt")
-_GLUON_KERNELS = ("gluon", "gluon_pingpong")
-_GLUON_BWD_KERNELS = ("gluon", "gluon_lpt")
-_KERNELS_OF = {"fwd": ("general", "tma", "gluon", "gluon_pingpong"),
+GLUON_FWD_KERNELS = ("gluon", "gluon_pingpong")
+GLUON_BWD_KERNELS = ("gluon", "gluon_lpt")
+KERNELS_OF = {"fwd": ("general", "tma", "gluon", "gluon_pingpong"),
                "bwd": ("general", "tma", "two_kernel", "tma_pair", "gluon", "gluon_lpt")}
 # The atomic-free backward pairs (deterministic by construction).
-_PAIR_KERNELS = ("two_kernel", "tma_pair")
+PAIR_KERNELS = ("two_kernel", "tma_pair")
 
 
-def _block_d(d: int) -> int:
+def block_d(d: int) -> int:
     return max(16, _next_pow2(d))
 
 
-def _d_parts(d: int, split: bool) -> tuple[int, int]:
+def d_parts(d: int, split: bool) -> tuple[int, int]:
     """Head-dim tile widths (D0, D1): one power of 2 >= d (D1 = 0), or with ``split`` two powers
     of 2 covering d with less padding, e.g. 80 -> (64, 16), 96 -> (64, 32), 160 -> (128, 32),
     192 -> (128, 64). A split that saves nothing (d a power of 2, 112 -> 64 + 64) is not made."""
-    p = _block_d(d)
+    p = block_d(d)
     if split and d != p and d > 16:
         lo = p // 2
-        hi = _block_d(d - lo)
+        hi = block_d(d - lo)
         if lo + hi < p:
             return lo, hi
     return p, 0
@@ -111,7 +90,7 @@ def _d_parts(d: int, split: bool) -> tuple[int, int]:
 # precision its dots run on FMA units with register-held operands and need smaller tiles. The
 # 16-bit rows at D <= 128 are the general kernels' tuned winners at D 64 and 128 (H100, tune
 # --plan full, stop 9), also what a TMA / Gluon table entry falls back to for dropout, rope or a
-# bias; ``_fit_smem`` trims them on GPUs with less shared memory.
+# bias; ``fit_smem`` trims them on GPUs with less shared memory.
 _HEURISTIC_TILES = {
     # the forward
     "fwd": {torch.float32: {64: (64, 32, 8, 2), 128: (32, 64, 8, 2), 256: (32, 32, 8, 1)},
@@ -123,31 +102,31 @@ _HEURISTIC_TILES = {
 }
 
 
-def _heuristic_config(kind: str, D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
+def _heuristic_config(direction: str, D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
     """``_HEURISTIC_TILES``'s row for this problem; 16-bit rows split D where it is not a power
-    of two (``_d_parts``)."""
-    d = max(_block_d(D), _block_d(Dv))
+    of two (``d_parts``)."""
+    d = max(block_d(D), block_d(Dv))
     fp32 = dtype == torch.float32
-    tiles = _HEURISTIC_TILES[kind][torch.float32 if fp32 else None]
+    tiles = _HEURISTIC_TILES[direction][torch.float32 if fp32 else None]
     row = tiles[min(b for b in tiles if d <= b)]
-    return AttentionConfig(*row) if fp32 else AttentionConfig(*row, _d_parts(max(D, Dv), True)[1] != 0)
+    return AttentionConfig(*row) if fp32 else AttentionConfig(*row, d_parts(max(D, Dv), True)[1] != 0)
 
 
-def _forward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
+def forward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
     """Heuristic forward tiles (a table miss)."""
     return _heuristic_config("fwd", D, Dv, dtype)
 
 
-def _backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
+def backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
     """Heuristic tiles of the atomic backward (a table miss)."""
     return _heuristic_config("bwd", D, Dv, dtype)
 
 
-def _deterministic_backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
+def deterministic_backward_config(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
     """Tiles of the two atomic-free backward kernels (picked from sm_90 compiles as the largest
     tiles without register spills; above D 128 the H100's fastest, NOTES.md attempt 13, which
     spill a little). Also what a table "tma_pair" entry falls back to."""
-    d = max(_block_d(D), _block_d(Dv))
+    d = max(block_d(D), block_d(Dv))
     if dtype == torch.float32:
         if d <= 64:
             return AttentionConfig(32, 32, 8, 1)
@@ -161,18 +140,18 @@ def _deterministic_backward_config(D: int, Dv: int, dtype: torch.dtype) -> Atten
     return AttentionConfig(64, 64, 8, 2)
 
 
-def _tma_pair_fallback(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
+def tma_pair_fallback(D: int, Dv: int, dtype: torch.dtype) -> AttentionConfig:
     """What a table "tma_pair" entry runs where the TMA pair cannot (a mask, dropout, rope,
     another head dim, a layout): the general atomic-free pair with its deterministic tiles (the
     tuner's fill step writes the same for mask keys)."""
-    return _deterministic_backward_config(D, Dv, dtype)._replace(kernel="two_kernel")
+    return deterministic_backward_config(D, Dv, dtype)._replace(kernel="two_kernel")
 
 
 # Smallest tiles, for the retry after a table/heuristic config failed to launch (shared memory).
-_SAFE_CONFIG = AttentionConfig(32, 32, 4, 1)
+SAFE_CONFIG = AttentionConfig(32, 32, 4, 1)
 
 
-def _smem_limit(device: torch.device) -> Optional[int]:
+def smem_limit(device: torch.device) -> Optional[int]:
     if device.type != "cuda":
         return None
     try:
@@ -183,21 +162,21 @@ def _smem_limit(device: torch.device) -> Optional[int]:
         return None
 
 
-def _smem_estimate(kernel: str, cfg: AttentionConfig, D: int, Dv: int, elt: int,
-                   bias_elt: int) -> int:
+def smem_estimate(direction: str, cfg: AttentionConfig, D: int, Dv: int, elt: int,
+                  bias_elt: int) -> int:
     """Rough shared memory of a launch: the pipelined tiles (num_stages copies) plus the
     resident ones. Used to shrink heuristic stages on small-shared-memory GPUs and by the tuner
     to prune candidates; the launch itself is the final judge."""
-    d0, d1 = _d_parts(D, cfg.split_d)
-    v0, v1 = _d_parts(Dv, cfg.split_d)
+    d0, d1 = d_parts(D, cfg.split_d)
+    v0, v1 = d_parts(Dv, cfg.split_d)
     dp, dvp = d0 + d1, v0 + v1
     bm, bn, st = cfg.block_m, cfg.block_n, max(1, cfg.num_stages)
-    if kernel == "fwd" and cfg.kernel in _GLUON_KERNELS:
-        return gluon_fwd._smem_bytes(_gluon_variant(cfg), max(dp, dvp), elt)
-    if kernel == "bwd" and cfg.kernel in _GLUON_BWD_KERNELS:
-        variant = gluon_bwd.VARIANTS.get(_gluon_bwd_variant(cfg))
+    if direction == "fwd" and cfg.kernel in GLUON_FWD_KERNELS:
+        return gluon_fwd._smem_bytes(gluon_variant(cfg), max(dp, dvp), elt)
+    if direction == "bwd" and cfg.kernel in GLUON_BWD_KERNELS:
+        variant = gluon_bwd.VARIANTS.get(gluon_bwd_variant(cfg))
         return gluon_bwd.smem_bytes_estimate(variant, max(dp, dvp), elt) if variant else 2**30
-    if kernel == "fwd":
+    if direction == "fwd":
         resident = bm * dp * elt
         streamed = bn * (dp + dvp) * elt + bm * bn * bias_elt
         if cfg.tma:  # TMA copies land in shared memory; P stays in registers (+ barriers)
@@ -213,11 +192,11 @@ def _smem_estimate(kernel: str, cfg: AttentionConfig, D: int, Dv: int, elt: int,
     return resident + st * streamed + 2 * bm * bn * elt
 
 
-def _fit_smem(kernel, cfg, D, Dv, elt, bias_elt, device) -> AttentionConfig:
-    limit = _smem_limit(device)
+def fit_smem(direction, cfg, D, Dv, elt, bias_elt, device) -> AttentionConfig:
+    limit = smem_limit(device)
     if limit is None:
         return cfg
-    while cfg.num_stages > 1 and _smem_estimate(kernel, cfg, D, Dv, elt, bias_elt) > limit:
+    while cfg.num_stages > 1 and smem_estimate(direction, cfg, D, Dv, elt, bias_elt) > limit:
         cfg = cfg._replace(num_stages=cfg.num_stages - 1)
     return cfg
 
@@ -237,35 +216,52 @@ def _one_key_block_config(D: int, Dv: int, dtype: torch.dtype, Lq: int,
                           Lk: int) -> Optional[AttentionConfig]:
     """The one-launch backward's tiles where they apply (16-bit, head dims <= 128, short keys),
     else None."""
-    if dtype == torch.float32 or max(_block_d(D), _block_d(Dv)) > 128 \
+    if dtype == torch.float32 or max(block_d(D), block_d(Dv)) > 128 \
             or not 0 < Lk <= _ONE_BLOCK_MAX_LK or Lq > _ONE_BLOCK_MAX_LQ:
         return None
-    return AttentionConfig(*_ONE_BLOCK_TILES, _d_parts(max(D, Dv), True)[1] != 0)
+    return AttentionConfig(*_ONE_BLOCK_TILES, d_parts(max(D, Dv), True)[1] != 0)
 
 
-def _pick_config(kernel: str, q: torch.Tensor, D: int, Dv: int, causal: bool, kind: int,
+def table_config(direction: str, q: torch.Tensor, D: int, Dv: int, causal: bool, kind: int,
                  Lq: int, Lk: int, bias_elt: int) -> AttentionConfig:
     """Table entry for this GPU and problem, else the heuristic (never autotuned); a backward
     with short keys takes the one-launch tiles (``_one_key_block_config``) on the GPU."""
-    if q.is_cuda and kernel == "bwd":
+    if q.is_cuda and direction == "bwd":
         one = _one_key_block_config(D, Dv, q.dtype, Lq, Lk)
         if one is not None:
-            return _fit_smem(kernel, one, D, Dv, q.element_size(), bias_elt, q.device)
+            return fit_smem(direction, one, D, Dv, q.element_size(), bias_elt, q.device)
     if q.is_cuda:
-        entry = tuning.lookup(kernel, q.device, q.dtype, D, Dv, causal, _MASK_NAMES[kind], Lq, Lk)
+        entry = tuning.lookup(direction, q.device, q.dtype, D, Dv, causal, _MASK_NAMES[kind], Lq, Lk)
         if entry is not None:
             return AttentionConfig(*entry)
-    heuristic = _forward_config if kernel == "fwd" else _backward_config
-    return _fit_smem(kernel, heuristic(D, Dv, q.dtype), D, Dv, q.element_size(), bias_elt,
-                     q.device)
+    heuristic = forward_config if direction == "fwd" else backward_config
+    return fit_smem(direction, heuristic(D, Dv, q.dtype), D, Dv, q.element_size(), bias_elt,
+                    q.device)
 
 
-def _gluon_variant(cfg: AttentionConfig) -> "gluon_fwd.GluonFwdVariant":
+def gluon_variant(cfg: AttentionConfig) -> "gluon_fwd.GluonFwdVariant":
     return gluon_fwd.GluonFwdVariant(cfg.block_m // 2, cfg.block_n, cfg.num_stages,
                                      cfg.kernel == "gluon_pingpong")
 
 
-def _gluon_bwd_variant(cfg: AttentionConfig) -> str:
+def gluon_bwd_variant(cfg: AttentionConfig) -> str:
     """The Gluon backward's variant name of a config (attention_bwd_gluon.VARIANTS)."""
     lpt = "l" if cfg.kernel == "gluon_lpt" else ""
     return f"m{cfg.block_m}n{cfg.block_n}s{cfg.num_stages}x{lpt}"
+
+
+def rope_adjust(direction: str, cfg: AttentionConfig, dtype: torch.dtype, rc: dict) -> AttentionConfig:
+    """The plain kernels' table/heuristic config, adjusted where the rope variant (more live
+    registers: the table tiles, the rotation) spilled in local sm_90 compiles (Triton 3.9, ptxas
+    -v) and the change removed or cut the spills. Not timed on a GPU yet. ``rc``: the launch's
+    rope constexprs (ROT, INTERLEAVED, HALF_TABLE)."""
+    if not rc["ROT"]:
+        return cfg
+    if direction == "fwd":
+        if dtype == torch.float32:  # ieee dots keep the rotated key tile in registers
+            return cfg._replace(block_n=min(cfg.block_n, 32))
+        if rc["INTERLEAVED"] and cfg.num_warps < 8:  # 64x64 / 4 warps: ~1 KB of spills
+            return cfg._replace(num_warps=8)
+    elif direction == "bwd" and rc["INTERLEAVED"]:  # 64x128: ~0.9 KB of spills, 64x64: ~0.25
+        return cfg._replace(block_n=min(cfg.block_n, 64))
+    return cfg

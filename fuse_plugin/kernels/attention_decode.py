@@ -71,8 +71,12 @@ import triton.language as tl
 from .attention_tiles import _LN2, _dot, _dot_acc, _exp
 from .host import FLOAT_BIAS as _FLOAT_BIAS
 from .host import bias_args as _bias_args
-from .host import cdiv, next_pow2
+from .host import cdiv, dot_precision, next_pow2, sm_count, upcast_dot
 from .launch import hint, launch
+
+# The family's problems (registry.py): at most this many query rows, at least this many keys.
+DECODE_MAX_LQ = 16
+DECODE_MIN_LK = 256
 
 __all__ = ["DecodeConfig", "decode_config", "num_splits", "attention_decode_forward"]
 
@@ -128,17 +132,6 @@ def num_splits(programs: int, key_blocks: int, sms: Optional[int]) -> int:
     return max(1, min(want, key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> Optional[int]:
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _SM_COUNT.get(index)
-    if sms is None:
-        sms = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return sms
 
 
 # --------------------------------------------------------------------------------------------
@@ -391,17 +384,6 @@ def attention_decode_combine_kernel(
 # Launcher
 # --------------------------------------------------------------------------------------------
 
-def _upcast_dot(t: torch.Tensor) -> bool:
-    # The interpreter's tl.dot mishandles bf16 (attention_tiles._dot); CPU tensors run there.
-    return t.dtype == torch.bfloat16 and not t.is_cuda
-
-
-def _dot_precision(t: torch.Tensor) -> str:
-    if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
-
-
 def attention_decode_forward(q, k, v, bias, *, is_causal: bool, scale: float,
                              out_buf: Optional[torch.Tensor] = None,
                              lse: Optional[torch.Tensor] = None,
@@ -436,7 +418,7 @@ def attention_decode_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     programs = B * Hkv * row_blocks
     # The split count is a speed choice, by the sizes' hints (launch.hint: with dynamic shapes
     # no guard); the split length and count below are exact for every length.
-    n_splits = splits or num_splits(hint(programs), hint(key_blocks), _sm_count(q.device))
+    n_splits = splits or num_splits(hint(programs), hint(key_blocks), sm_count(q.device))
     n_splits = max(1, min(n_splits, hint(key_blocks)))
     blocks_per_split = cdiv(key_blocks, n_splits)
     n_splits = cdiv(key_blocks, blocks_per_split)  # no empty split
@@ -449,8 +431,8 @@ def attention_decode_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     part_m, part_l, part_sk = (torch.empty((programs, n_splits, bm), dtype=torch.float32,
                                            device=dev) for _ in range(3))
     consts = dict(D=D, Dv=Dv, IS_CAUSAL=bool(is_causal), BIAS_KIND=kind,
-                  PRECISION=_dot_precision(q),
-                  UPCAST_DOT=_upcast_dot(q),
+                  PRECISION=dot_precision(q),
+                  UPCAST_DOT=upcast_dot(q),
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)),
                   BLOCK_DV=max(16, next_pow2(Dv)))
     strides = (*q.stride(), *k.stride(), *v.stride(), *sb)

@@ -8,6 +8,8 @@ they cost microseconds each (argument unwrapping), and an attention call made a 
 Also the bias operand of the attention launchers (general and decode): its BIAS_KIND, tensor
 and strides.
 """
+from typing import Optional
+
 import torch
 
 from .launch import is_tracing
@@ -105,3 +107,43 @@ def bias_over_keys(kind: int, strides) -> bool:
     mask broadcast over the queries) is read one value per key, not as tiles of repeats. Only a
     literal 0 counts (a symbolic stride keeps the tile read, which is right for any stride)."""
     return kind != NO_BIAS and type(strides[2]) is int and strides[2] == 0
+
+
+def empty(shape, dtype, device, like: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Allocation of every attention kernel output (one hook, so tests can poison it with NaN);
+    with ``like`` (an input of the op), laid out as ``layout_like(like, dtype)``: the gradients."""
+    if like is not None:
+        return layout_like(like, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> Optional[int]:
+    """Streaming multiprocessors of a CUDA device (None on the CPU), read once per device."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _SM_COUNT.get(index)
+    if sms is None:
+        sms = _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return sms
+
+
+def interpreted(t: torch.Tensor) -> bool:
+    """CPU tensors run the kernels in Triton's interpreter (see ops/_dispatch.py)."""
+    return not t.is_cuda
+
+
+def dot_precision(t: torch.Tensor) -> str:
+    """The kernels' PRECISION: fp32 inputs follow the eager matmul setting (tf32 or not); the
+    interpreter only knows "ieee"."""
+    if t.dtype == torch.float32 and t.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def upcast_dot(t: torch.Tensor) -> bool:
+    """The kernels' UPCAST_DOT: the interpreter's tl.dot mishandles bf16 (attention_tiles._dot)."""
+    return t.dtype == torch.bfloat16 and interpreted(t)

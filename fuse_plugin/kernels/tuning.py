@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from .. import settings
 
 FORMAT = 1
 KERNELS = ("fwd", "bwd")
@@ -193,7 +194,7 @@ def lookup(kernel: str, device: torch.device, dtype: torch.dtype, d: int, dv: in
     if dtype not in DTYPE_NAMES:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    entries = _entries(index, os.environ.get(ENV))
+    entries = _entries(index, settings.attention_table())
     if not entries:
         return None
     dt, db = DTYPE_NAMES[dtype], d_bucket(d, dv)

@@ -1,7 +1,7 @@
 """Which implementation an op runs on a given device.
 
 CUDA tensors go to the Triton kernels. CPU tensors go to the plain-torch reference,
-unless `FUSE_PLUGIN_CPU_KERNELS=triton`: then the Triton kernels run in Triton's
+unless `FUSE_PLUGIN_CPU_KERNELS=triton` (settings.py): then the Triton kernels run in Triton's
 interpreter (how CI tests the kernels without a GPU). The interpreter must be switched
 on with `TRITON_INTERPRET=1` before triton is first imported.
 """
@@ -12,16 +12,15 @@ import os
 
 import torch
 
-_ENV = "FUSE_PLUGIN_CPU_KERNELS"
+from .. import settings
+
+_ENV = settings.CPU_KERNELS
 
 
 def cpu_runs_triton() -> bool:
-    choice = os.environ.get(_ENV, "reference")
-    if choice == "reference":
+    if settings.cpu_kernels() == "reference":
         return False
-    if choice != "triton":
-        raise ValueError(f"{_ENV} must be 'reference' or 'triton', got {choice!r}")
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if os.environ.get("TRITON_INTERPRET") != "1":  # Triton's own switch, not ours
         raise RuntimeError(
             f"{_ENV}=triton runs the Triton kernels on the CPU in Triton's interpreter, "
             "which needs TRITON_INTERPRET=1 set before triton is imported"

@@ -8,7 +8,10 @@ softmax(c·tanh(q·kᵀ·scale / c) + bias [causal]) · v, Gemma 2's and Grok's 
 applied to the scaled scores before the bias and the masks; 0 = off) with
   q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq a multiple of Hkv (GQA: q head h
   reads kv head h // (Hq // Hkv); the kernels never materialise repeated K/V);
-  attn_bias None or broadcastable to (B, Hq, Lq, Lk): bool (True = keep) or additive float;
+  attn_bias None or broadcastable to (B, Hq, Lq, Lk): bool (True = keep) or additive float; or
+  window-periodic: 4-D with a leading dim P, 1 < P < B, dividing B, the rest broadcastable to
+  (Hq, Lq, Lk): batch b reads attn_bias[b % P] (Swin's shifted-window mask over B·nW windows, the
+  rewrite's form for it: no copy per window batch; its gradient has the bias's own shape);
   is_causal top-left aligned like SDPA's `is_causal`: key j is visible to query i iff j <= i,
   also when Lq != Lk (so with Lq > Lk every row still sees key 0; a KV-cache decode step
   wants bottom-right alignment and must pass an explicit mask instead).
@@ -98,10 +101,11 @@ def check_replace(replace: Optional[Tensor], attn_bias: Optional[Tensor], q: Ten
     if attn_bias is None or not attn_bias.dtype.is_floating_point:
         raise ValueError("fuse_plugin::attention: replace needs a floating-point attn_bias (the value a replaced "
                          f"score takes), got {None if attn_bias is None else attn_bias.dtype}")
-    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    if replace.dim() > 4 or any(not (r == 1 or r == t) for r, t in zip(reversed(replace.shape), reversed(scores))):
-        raise ValueError(f"fuse_plugin::attention: replace of shape {tuple(replace.shape)} does not broadcast to "
-                         f"the scores {scores}")
+    check_bias(replace, q, k, "replace")
+    P, R = period_of(attn_bias, q), period_of(replace, q)
+    if R is not None and R != P or P is not None and replace.dim() == 4 and replace.shape[0] not in (1, P):
+        raise ValueError(f"fuse_plugin::attention: replace {tuple(replace.shape)} and attn_bias "
+                         f"{tuple(attn_bias.shape)} differ in their window period")
     if replace.device != q.device:
         raise ValueError(f"fuse_plugin::attention: replace is on {replace.device}, q on {q.device}")
 
@@ -112,12 +116,52 @@ def new_dropout_seed(device: torch.device) -> Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.int64, device=device)
 
 
-def bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> Optional[Tensor]:
-    """The bias (or the replace mask) as a (B, Hq, Lq, Lk) view: broadcast dims get stride 0,
-    nothing is copied."""
+def period_of(attn_bias: Optional[Tensor], q: Tensor) -> Optional[int]:
+    """P when attn_bias is window-periodic over q's batch (see the module doc), else None."""
+    if attn_bias is None or attn_bias.dim() != 4:
+        return None
+    P, B = attn_bias.shape[0], q.shape[0]
+    if not isinstance(P, int) or P == 1 or (isinstance(B, int) and P == B):
+        return None
+    return P
+
+
+def check_bias(attn_bias: Optional[Tensor], q: Tensor, k: Tensor, what: str = "attn_bias") -> None:
+    """The bias (or replace mask) broadcasts to the scores, or is window-periodic."""
+    if attn_bias is None:
+        return
+    scores = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    P = period_of(attn_bias, q)
+    fits = attn_bias.dim() <= 4 and all(
+        b == 1 or b == t for b, t in zip(reversed(attn_bias.shape[-3:]), reversed(scores[1:])))
+    if P is not None:
+        fits = fits and q.shape[0] % P == 0
+    elif attn_bias.dim() == 4:
+        fits = fits and attn_bias.shape[0] in (1, scores[0])
+    if not fits:
+        raise ValueError(f"fuse_plugin::attention: {what} of shape {tuple(attn_bias.shape)} does not broadcast "
+                         f"to the scores {scores} (nor is it window-periodic: (P, ...) with P dividing the batch)")
+
+
+def bias_4d(attn_bias: Optional[Tensor], q: Tensor, k: Tensor, period: Optional[int] = None) -> Optional[Tensor]:
+    """The bias (or the replace mask) as a (B, Hq, Lq, Lk) view, or (P, Hq, Lq, Lk) for a
+    window-periodic one (``period``: the bias's, for its replace mask): broadcast dims get stride
+    0, nothing is copied."""
     if attn_bias is None:
         return None
-    return attn_bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    P = period or period_of(attn_bias, q)
+    return attn_bias.expand(P if P is not None else q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def whole_bias(attn_bias: Optional[Tensor], q: Tensor, k: Tensor, period: Optional[int] = None) -> Optional[Tensor]:
+    """The bias as (B, Hq, Lq, Lk): a window-periodic one (``period``: the bias's, for its
+    replace mask) repeated over the batch (a copy), any other one as its broadcast view (the
+    reference's form)."""
+    P = period or period_of(attn_bias, q)
+    if P is None:
+        return bias_4d(attn_bias, q, k)
+    B, H, Lq, Lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    return bias_4d(attn_bias, q, k, P).unsqueeze(0).expand(B // P, P, H, Lq, Lk).reshape(B, H, Lq, Lk)
 
 
 # The two ops are defined with torch.library's low-level API rather than torch.library.custom_op:
@@ -144,16 +188,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], drop
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
+    check_bias(attn_bias, q, k)
     check_replace(replace, attn_bias, q, k)
     return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, softcap, replace)
 
 
-def _extra(softcap: float, replace: Optional[Tensor], q: Tensor, k: Tensor) -> dict:
+def _extra(softcap: float, replace: Optional[Tensor], q: Tensor, k: Tensor, whole: bool = False,
+           period: Optional[int] = None) -> dict:
     """softcap and replace for the kernels / the reference, only when on: calls without them stay
-    as they were."""
+    as they were. ``whole``: a window-periodic replace mask repeated to (B, ...) (the reference)."""
     extra = {"softcap": softcap} if softcap else {}
     if replace is not None:
-        extra["replace"] = bias_4d(replace, q, k)
+        extra["replace"] = (whole_bias if whole else bias_4d)(replace, q, k, period)
     return extra
 
 
@@ -162,11 +208,14 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], i
                  replace: Optional[Tensor] = None):
     """The op's computation (also the second half of `rope_attention`'s unfused path)."""
     bias = bias_4d(attn_bias, q, k)
-    extra = _extra(softcap, replace, q, k)
+    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q))
     if _runs_kernel(q, v):
         return _kernels().attention_forward(
             q, k, v, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
             **extra)
+    if period_of(attn_bias, q) is not None:  # the reference reads (B, ...) biases
+        bias = whole_bias(attn_bias, q, k)
+        extra = _extra(softcap, replace, q, k, whole=True, period=period_of(attn_bias, q))
     out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, **extra)
     return out.transpose(1, 2).contiguous().transpose(1, 2), lse  # the kernels' layout
 
@@ -181,6 +230,7 @@ def empty_out(q: Tensor, v: Tensor) -> Tensor:
 def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0, replace=None):
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
+    check_bias(attn_bias, q, k)
     check_replace(replace, attn_bias, q, k)
     b, hq, lq, _ = q.shape
     return empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
@@ -201,13 +251,16 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias:
 def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p=0.0, dropout_seed=None,
                   softcap=0.0, replace=None):
     bias = bias_4d(attn_bias, q, k)
-    extra = _extra(softcap, replace, q, k)
+    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q))
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
             dropout_p=dropout_p, dropout_seed=dropout_seed, **extra,
         )
     else:
+        if period_of(attn_bias, q) is not None:  # the reference reads (B, ...) biases
+            bias = whole_bias(attn_bias, q, k)
+            extra = _extra(softcap, replace, q, k, whole=True, period=period_of(attn_bias, q))
         dq, dk, dv, ds = reference.attention_backward(
             dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, **extra
         )
@@ -218,10 +271,15 @@ def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbi
 
 
 def reduce_dbias(ds: Optional[Tensor], attn_bias: Optional[Tensor], q: Tensor, need_dbias: bool) -> Tensor:
-    """dS (B, Hq, Lq, Lk) summed to the bias's shape and cast to its dtype; empty unless need_dbias."""
-    if need_dbias:
-        return ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype).contiguous()
-    return q.new_empty((0,))
+    """dS ((B, Hq, Lq, Lk), or already partly summed by the kernels) summed to the bias's shape
+    (a window-periodic bias: over the B // P batches of each window too) and cast to its dtype;
+    empty unless need_dbias."""
+    if not need_dbias:
+        return q.new_empty((0,))
+    P = period_of(attn_bias, q)
+    if P is not None and ds.shape[0] != P:
+        ds = ds.view(ds.shape[0] // P, P, *ds.shape[1:]).sum(0)
+    return ds.sum_to_size(attn_bias.shape).to(attn_bias.dtype).contiguous()
 
 
 @torch.library.register_fake("fuse_plugin::attention_backward", lib=_LIB)

@@ -30,25 +30,23 @@ _LIB.define(
     tags=(torch.Tag.pt2_compliant_tag,))
 
 
-def _kernels():
-    from ..kernels import attention as kernels  # imported late: see TRITON_INTERPRET in _dispatch
-
-    return kernels
-
-
 def _forward(q, k, v, is_causal, scale, block_m, block_n, num_stages, kernel):
-    kernels = _kernels()
+    # imported late: see TRITON_INTERPRET in _dispatch
+    from ..kernels import attention_fwd_gluon as gluon_fwd
+    from ..kernels.attention_config import AttentionConfig, gluon_variant
+
     B, Hq, Lq, _ = q.shape
     out = torch.empty((B, Hq, Lq, v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-    cfg = kernels.AttentionConfig(block_m, block_n, 4, num_stages, False, kernel)
-    kernels.gluon_fwd.launch_forward_gluon(q, k, v, out, lse, is_causal, scale,
-                                           kernels._gluon_variant(cfg))
+    cfg = AttentionConfig(block_m, block_n, 4, num_stages, False, kernel)
+    gluon_fwd.launch_forward_gluon(q, k, v, out, lse, is_causal, scale, gluon_variant(cfg))
     return out, lse
 
 
 def _backward(dout, q, k, v, out, lse, is_causal, scale, variant, group_split):
-    return _kernels().gluon_bwd.attention_backward_gluon(
+    from ..kernels import attention_bwd_gluon as gluon_bwd
+
+    return gluon_bwd.attention_backward_gluon(
         dout, q, k, v, out, lse, is_causal=is_causal, scale=scale, variant=variant,
         group_split=group_split or None)
 

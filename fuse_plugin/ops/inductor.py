@@ -29,7 +29,6 @@ The eager behaviour of every op is unchanged: calls outside a compile never see 
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Callable, Optional
 
@@ -37,16 +36,15 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.utils._pytree import tree_leaves
 
-ENV = "FUSE_PLUGIN_INDUCTOR_LAUNCH"
+from .. import settings
+
+ENV = settings.INDUCTOR_LAUNCH
 log = logging.getLogger(__name__)
 
 
 def enabled() -> bool:
-    """Decompose the ops for Inductor? (``FUSE_PLUGIN_INDUCTOR_LAUNCH``, default on.)"""
-    value = os.environ.get(ENV, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on", "no", "yes"):
-        raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "on", "yes")
+    """Decompose the ops for Inductor? (``FUSE_PLUGIN_INDUCTOR_LAUNCH``, default on; settings.py.)"""
+    return settings.inductor_launch()
 
 
 def _hinted(t: torch.Tensor) -> bool:

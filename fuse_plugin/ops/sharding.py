@@ -7,7 +7,8 @@ That is right only for some placements; these are the ones each op takes, on eve
   attention, attention_backward, rope_attention, rope_attention_backward, gluon_attention_*
     Replicate  every tensor replicated.
     batch      q, k, v (dout, out, lse) Shard(0); attn_bias (and cos/sin) Shard on their batch
-               dim when it is not broadcast (size > 1), else Replicate.
+               dim when it is not broadcast (size > 1), else Replicate. A window-periodic
+               attn_bias / replace ((P, ...), batch b reading row b % P) refuses a batch shard.
     heads      q, k, v (dout, out, lse) Shard(1): q heads and kv heads together. Hq and Hkv must
                both be divisible by the number of shards, so that shard r holds the kv heads
                [r·Hkv/n, (r+1)·Hkv/n) and exactly the q heads of their GQA groups (q head h reads
@@ -132,6 +133,7 @@ class _Rule:
                 f"sharded ({self.lead!r} is {tuple(lead.placements)}): dropout needs Replicate() placements (the "
                 f"mask is drawn from the seed and the local indices, so every shard would repeat the same mask)")
         self._check_heads(modes, values, lead.mesh)
+        self._check_periodic(modes, values)
         strategies = []
         for mode in dict.fromkeys(modes):  # one strategy per distinct mode
             ins = [self._want(mode, n, v) if _is_spec(v) else None for n, v in values.items()]
@@ -234,6 +236,22 @@ class _Rule:
                     f"fuse_plugin::{self.op}: argument {name!r} has {spec.shape[1]} heads sharded over {n} ranks: "
                     f"the q heads and the kv heads must both be divisible by the number of shards, so that each "
                     f"shard holds whole GQA groups")
+
+
+    def _check_periodic(self, modes, values) -> None:
+        """A window-periodic attn_bias / replace ((P, ...) with 1 < P < B: batch b reads row
+        b % P, ops/attention.py) cannot follow a batch shard: a shard's rows are not its own
+        batches' windows."""
+        if self.frame is None or -self.frame not in modes:
+            return
+        B = values[self.lead].shape[0]
+        for name in ("attn_bias", "replace"):
+            spec = values.get(name)
+            if _is_spec(spec) and spec.ndim == 4 and spec.shape[0] not in (1, B):
+                raise ShardingError(
+                    f"fuse_plugin::{self.op}: argument {name!r} is window-periodic ({spec.shape[0]} rows for "
+                    f"a batch of {B}: batch b reads row b % {spec.shape[0]}), which a batch shard cannot "
+                    f"follow; shard the heads instead, or replicate")
 
 
 def _holds(spec, mode: int) -> bool:

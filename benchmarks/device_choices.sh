@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call (nvidia-h100-x1, < 10 min): the small family's GPU tests, then the choice table.
+#   bash benchmarks/device_choices.sh            (from the repo root; $OUT: where results go)
+# 1. install; 2. pytest on the GPU (float64 references): the small family, the registry, cuDNN
+#    (D 256 new) and the kernel families the refactor moved (TMA, Gluon, general);
+# 3. four --warm processes over disjoint classes fill Triton's and Inductor's caches in parallel;
+# 4. the timed pass writes $OUT/attention_choices_sm90.json (copy it to fuse_plugin/kernels/).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+python3 - <<'EOF' | tee "$OUT/versions.txt"
+import torch, triton
+print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, "cudnn", torch.backends.cudnn.version())
+EOF
+CLASSES=$(python3 -c "from fuse_plugin.tune_choices import CLASSES; print(' '.join(CLASSES))")
+i=0; declare -a part=("" "" "" "")
+for c in $CLASSES; do part[$((i % 4))]+="${part[$((i % 4))]:+,}$c"; i=$((i + 1)); done
+for p in "${part[@]}"; do
+  timeout 300 python3 -m fuse_plugin.tune --choices --warm --classes "$p" > "$OUT/warm_${p%%,*}.log" 2>&1 &
+done
+timeout 240 python3 -m pytest -q tests/test_attention_small.py tests/test_registry.py tests/test_attention_cudnn.py \
+  tests/test_attention_kernel.py -k "small or registry or cudnn or tma or gluon or matches_reference" 2>&1 \
+  | tee "$OUT/tests.log" | tail -4
+wait
+grep -h '"error"\|Traceback' "$OUT"/warm_*.log | head -5
+timeout 330 python3 -m fuse_plugin.tune --choices --out "$OUT/attention_choices_sm90.json" \
+  --log "$OUT/choices.jsonl" > "$OUT/choices.log" 2>&1
+tail -22 "$OUT/choices.log"

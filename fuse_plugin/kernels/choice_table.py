@@ -1,0 +1,158 @@
+"""The measured choice among implementations, per problem class: which one is fastest, and by how much.
+
+The registry (registry.py) chooses a kernel family for each call; the rewrite (patterns/choice.py)
+chooses, for each matched attention site, between our op and leaving the site to Inductor (the
+decomposition the matcher saw, which Inductor fuses as stock compile does). Both read this table
+first: where the problem's class was measured on this GPU, the fastest candidate that can run the
+problem wins; elsewhere their rules apply.
+
+A table ships per compute capability (``attention_choices_sm<cc>.json``), one entry set per GPU
+name it was measured on (a lookup takes the running GPU's name, else the first set of its
+capability), written by ``python -m fuse_plugin.tune --choices`` (tune.py). An entry::
+
+    "<class key>": {"shape": [B, Hq, Hkv, Lq, Lk, D, Dv],
+                    "fwd": {"<family>": us}, "bwd": {"<family>": us},
+                    "inductor": {"fwd": us, "train": us}, "source": "measured <date>",
+                    "small": {"fwd": [units per program, warps, stages], "bwd": [...]}}
+
+"fwd" / "bwd": each of our families that can run the class, forward and backward (the latter with
+the gradient of a float bias where the class has one: "periodic", "float"); "inductor": the
+site's decomposition compiled by stock Inductor, forward alone (inference) and forward +
+backward (training). Device times (CUDA graphs), median. "small": the small family's config
+measured fastest (attention_small.SmallConfig), which it then runs the class with. The class key
+(``class_key``)
+is ``dtype|d<D>|dv<Dv>|q<Lq>|k<Lk>|<bias>|<causal>|<dropout>``: D and Dv rounded up to a power of
+two (16 at least); Lq and Lk rounded up to a power of two (1 at least) up to ``MAX_CLASS_LEN``,
+longer lengths are one bucket ("long"); bias "none", "keys" (a per-key vector: padding), "bool",
+"float", "periodic" (a window-periodic float bias); "causal" / "full"; "drop" / "nodrop". Times
+are for the class's measured shape; only their ratios are used. ``FUSE_PLUGIN_CHOICE_TABLE`` names another
+table file, or ``off`` for none.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .. import settings
+from .host import BOOL_BIAS, FLOAT_BIAS, NO_BIAS, next_pow2
+from .launch import hint
+
+FORMAT = 1
+ENV = "FUSE_PLUGIN_CHOICE_TABLE"
+MAX_CLASS_LEN = 512  # Lq / Lk buckets above this are one ("long")
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+INDUCTOR = "inductor"
+
+
+def _len_bucket(n: int) -> str:
+    return "long" if n > MAX_CLASS_LEN else str(max(1, next_pow2(n)))
+
+
+def class_key(dtype: torch.dtype, D: int, Dv: int, Lq: int, Lk: int, bias: str, causal: bool,
+              dropout: bool) -> Optional[str]:
+    """The class of a problem (module doc), None for a dtype the table does not hold."""
+    if dtype not in DTYPES:
+        return None
+    return (f"{DTYPES[dtype]}|d{max(16, next_pow2(D))}|dv{max(16, next_pow2(Dv))}|"
+            f"q{_len_bucket(Lq)}|k{_len_bucket(Lk)}|{bias}|{'causal' if causal else 'full'}|"
+            f"{'drop' if dropout else 'nodrop'}")
+
+
+def bias_form(kind: int, keys: bool, periodic: bool) -> str:
+    """The class's bias name for a bias of BIAS_KIND ``kind``."""
+    if kind == NO_BIAS:
+        return "none"
+    if periodic:
+        return "periodic"
+    if keys:
+        return "keys"
+    return "bool" if kind == BOOL_BIAS else "float" if kind == FLOAT_BIAS else "none"
+
+
+def path_for(cc: tuple[int, int]) -> Path:
+    return Path(__file__).with_name(f"attention_choices_sm{cc[0]}{cc[1]}.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _entries(device_index: int, env: Optional[str]) -> dict:
+    if env == "off":
+        return {}
+    try:
+        name = torch.cuda.get_device_name(device_index)
+    except (RuntimeError, AssertionError):  # no GPU (a table named by the switch, fake tensors)
+        name = ""
+    if env:
+        return entries_of(env, name)
+    return entries_of(path_for(torch.cuda.get_device_capability(device_index)), name)
+
+
+def entries_of(path, gpu_name: str) -> dict:
+    """The entry set of ``gpu_name`` (else the file's first) in a table file; {} without one."""
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(table, dict) or table.get("format") != FORMAT:
+        return {}
+    gpus = table.get("gpus") or {}
+    chosen = gpus.get(gpu_name) or next(iter(gpus.values()), None) or {}
+    return chosen.get("entries") or {}
+
+
+def clear_cache() -> None:
+    _entries.cache_clear()
+
+
+def lookup(device: torch.device, key: Optional[str]) -> Optional[dict]:
+    """The entry measured for the class ``key`` on ``device`` ({"fwd": {family: us}, "bwd":
+    {family: us}, "inductor": {"fwd": us, "train": us}}, each part possibly empty), or None."""
+    if key is None or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else 0
+    entry = _entries(index, settings.choice_table()).get(key)
+    if not isinstance(entry, dict):
+        return None
+    out = {"small": entry.get("small") if isinstance(entry.get("small"), dict) else {}}
+    for part in ("fwd", "bwd", INDUCTOR):
+        times = entry.get(part)
+        out[part] = {k: float(v) for k, v in times.items() if isinstance(v, (int, float)) and v > 0} \
+            if isinstance(times, dict) else {}
+    return out if any(out[p] for p in ("fwd", "bwd", INDUCTOR)) else None
+
+
+def key_of_call(call) -> Optional[str]:
+    B, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
+    return class_key(call.q.dtype, D, Dv, hint(Lq), hint(Lk),
+                     bias_form(call.kind, call.bias_keys, call.period is not None),
+                     call.is_causal, call.dropout)
+
+
+def measured(call) -> Optional[dict]:
+    """Our families' measured times for a launcher call's class and direction (registry.choose),
+    or None where the class was not measured."""
+    times = lookup(call.q.device, key_of_call(call))
+    return (times or {}).get(call.direction) or None
+
+
+def small_config(call) -> Optional[tuple]:
+    """The small family's config measured fastest for the call's class and direction (the
+    entry's "small": {"fwd": [units per program, warps, stages], "bwd": [...]}), or None."""
+    times = lookup(call.q.device, key_of_call(call))
+    cfg = (times or {}).get("small", {}).get(call.direction)
+    return tuple(int(x) for x in cfg) if isinstance(cfg, list) and len(cfg) == 3 else None
+
+
+def describe(us: dict, chosen: str) -> str:
+    """``measured: small 45.2 us, 2.10x faster than inductor (95.0 us)``: the choice and its
+    runner-up."""
+    others = sorted((v, k) for k, v in us.items() if k != chosen)
+    text = f"measured: {chosen} {us[chosen]:.1f} us"
+    if others:
+        v, k = others[0]
+        text += f", {v / us[chosen]:.2f}x faster than {k} ({v:.1f} us)"
+    return text

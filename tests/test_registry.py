@@ -1,0 +1,194 @@
+"""The kernel-family registry and the measured choice (kernels/registry.py, kernels/choice_table.py,
+patterns/choice.py), on the CPU: each family's reasons, forcing a family, a choice read from a
+table, sites left to Inductor (with eager's numbers, inference and training), the explain lines,
+and the window-periodic bias the choice serves Swin with."""
+import json
+
+import pytest
+import torch
+from helpers import check_close
+from torch._dynamo.utils import counters
+
+import fuse_plugin
+from fuse_plugin.kernels import attention as K
+from fuse_plugin.kernels import choice_table, registry
+from fuse_plugin.kernels.call import AttentionCall
+from fuse_plugin.patterns import choice
+
+
+def _call(Lq=64, Lk=64, D=32, bias=None, direction="fwd", dtype=torch.bfloat16, **kw):
+    q = torch.randn(2, 4, Lq, D, dtype=dtype)
+    k = torch.randn(2, 2, Lk, D, dtype=dtype)
+    if direction == "fwd":
+        return AttentionCall.forward(q, k, k, bias, is_causal=False, scale=0.2, **kw)
+    out = torch.zeros_like(q)
+    return AttentionCall.backward(out, q, k, k, bias, out, torch.zeros(2, 4, Lq), is_causal=False,
+                                  scale=0.2, need_dbias=False, deterministic=False, **kw)
+
+
+def test_each_family_says_why_it_cannot_run_a_problem():
+    reasons = registry.reasons(_call())
+    assert reasons["cudnn"] == "not on CUDA"
+    assert reasons["decode"].startswith("Lq 64 > 16 or Lk 64 < 256")
+    assert reasons["small"] is None and reasons["general"] is None
+    long = registry.reasons(_call(Lq=200, Lk=300))
+    assert long["small"] == "Lq 200 > 128" or "128" in long["small"]
+    biased = registry.reasons(_call(bias=torch.zeros(2, 4, 64, 64)))
+    assert biased["tma"] == "it takes no bias, dropout, softcap, replace mask or rope"
+    bwd = registry.reasons(_call(direction="bwd"))
+    assert set(bwd) == {"cudnn", "small", "gluon", "tma", "tma_pair", "two_kernel", "general"}
+
+
+def test_rules_leave_the_small_family_to_measurements():
+    """Where nothing is measured, the small family is not taken by a rule (it declines)."""
+    family, _, why = registry.choose(_call())
+    assert family.name == "general" and why == registry.FAMILIES["fwd"]["general"].rule
+
+
+def test_a_forced_family_runs_or_one_error_lists_every_reason(monkeypatch):
+    with registry.forced("small"):
+        assert registry.choose(_call())[0].name == "small"
+    with registry.forced("decode"), pytest.raises(registry.FamilyError) as e:
+        registry.choose(_call())
+    text = str(e.value)
+    assert "'decode' kernel family cannot run this problem (fwd B 2, H 4/2, Lq 64, Lk 64, D 32" in text
+    for name in registry.FAMILIES["fwd"]:
+        assert f"\n  {name}: " in text
+    monkeypatch.setenv("FUSE_PLUGIN_ATTENTION_FAMILY", "small")
+    assert registry.choose(_call())[0].name == "small"
+    monkeypatch.setenv("FUSE_PLUGIN_ATTENTION_FAMILY", "fastest")
+    with pytest.raises(ValueError, match="FUSE_PLUGIN_ATTENTION_FAMILY='fastest' names no"):
+        registry.choose(_call())
+    with pytest.raises(ValueError, match="unknown attention kernel family"):
+        registry.forced("fastest").__enter__()
+
+
+def _table(tmp_path, entries: dict) -> str:
+    path = tmp_path / "choices.json"
+    path.write_text(json.dumps({"format": choice_table.FORMAT, "gpus": {"Some GPU": {"entries": entries}}}))
+    return str(path)
+
+
+def test_a_choice_read_from_the_table(tmp_path, monkeypatch):
+    key = choice_table.class_key(torch.bfloat16, 32, 32, 64, 64, "none", False, False)
+    assert key == "bf16|d32|dv32|q64|k64|none|full|nodrop"
+    entry = {"fwd": {"small": 10.0, "general": 30.0}, "bwd": {"small": 50.0, "general": 40.0},
+             "inductor": {"fwd": 20.0, "train": 45.0}, "small": {"fwd": [4, 4, 2]}}
+    monkeypatch.setenv(choice_table.ENV, _table(tmp_path, {key: entry}))
+    choice_table.clear_cache()
+    try:
+        times = choice_table.lookup(torch.device("cuda"), key)  # (no GPU needed to read a table)
+        assert times["fwd"] == {"small": 10.0, "general": 30.0} and times["inductor"]["train"] == 45.0
+        assert choice_table.lookup(torch.device("cpu"), key) is None  # measured on a GPU only
+        monkeypatch.setattr(choice_table, "lookup", lambda device, k: times if k == key else None)
+        family, cfg, why = registry.choose(_call())
+        assert family.name == "small" and tuple(cfg) == (4, 4, 2)
+        assert why == "measured: small 10.0 us, 3.00x faster than general (30.0 us)"
+        family, _, why = registry.choose(_call(direction="bwd"))
+        assert family.name == "general" and why.startswith("measured: general 40.0 us")
+        # the rewrite's view: inference takes ours (10 vs 20), training Inductor (45 vs 10 + 40)
+        assert choice.decide_from(times, "fwd", key).ours
+        left = choice.decide_from(times, "train", key)
+        assert not left.ours
+        assert left.reason.startswith("left to Inductor: measured 1.11x faster (45.0 vs 50.0 us for "
+                                      "small + general; train, bf16|d32")
+        assert choice.decide_from(None, "train", key).ours  # not measured: ours
+    finally:
+        choice_table.clear_cache()
+
+
+class Attn(torch.nn.Module):
+    """Hand-written attention with a learned bias, as timm writes it."""
+
+    def __init__(self, heads=2, length=10):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(1, heads, length, length))
+
+    def forward(self, q, k, v):
+        return ((q * 0.3) @ k.transpose(-2, -1) + self.bias).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("site_choice, fused, left", [("ours", 1, 0), ("inductor", 0, 1)])
+def test_sites_left_to_inductor_give_eager_numbers(monkeypatch, site_choice, fused, left):
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", site_choice)
+    torch.manual_seed(0)
+    model = Attn()
+    q, k, v = (torch.randn(2, 2, 10, 16, requires_grad=True) for _ in range(3))
+    want = model(q, k, v)
+    want.sum().backward()
+    want_grads = [t.grad.clone() for t in (q, k, v, model.bias)]
+    for t in (q, k, v, model.bias):
+        t.grad = None
+    counters.clear()
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="fuse_plugin")(q, k, v)
+    got.sum().backward()
+    assert counters["fuse_plugin"]["attention"] == fused
+    assert counters["fuse_plugin"]["attention_left"] == left
+    check_close("out", got, want, 1e-5)
+    for name, t, g in zip(("dq", "dk", "dv", "dbias"), (q, k, v, model.bias), want_grads):
+        check_close(name, t.grad, g, 1e-4)
+    report = fuse_plugin.explain(model, q, k, v)
+    assert len(report.left) == left and report.count("attention") == fused
+    if left:
+        assert "left to Inductor by measurement" in str(report)
+        assert "left      attention" in str(report) or "\nleft " in str(report)
+        assert report.left[0].reason == "left to Inductor (FUSE_PLUGIN_SITE_CHOICE=inductor)"
+
+
+def test_bad_site_choice(monkeypatch):
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "sometimes")
+    with pytest.raises(ValueError, match="FUSE_PLUGIN_SITE_CHOICE must be one of auto, ours, inductor"):
+        fuse_plugin.settings.site_choice()
+
+
+# --------------------------------------------------------------------------- window-periodic bias
+
+
+def _periodic(B=6, P=3, H=2, L=9, D=16, dtype=torch.float32):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype, requires_grad=True) for _ in range(3))
+    rel = torch.randn(1, H, L, L, dtype=dtype, requires_grad=True)
+    mask = torch.where(torch.rand(P, 1, L, L) < 0.3, -100.0, 0.0).to(dtype)
+    return q, k, v, rel, mask
+
+
+def test_op_window_periodic_bias_matches_repeated_bias():
+    """attn_bias (P, ...) with P | B: batch b reads row b % P, gradient in the bias's shape."""
+    q, k, v, rel, mask = _periodic()
+    bias = rel + mask  # (P, H, L, L)
+    out, _ = torch.ops.fuse_plugin.attention(q, k, v, bias, 0.0, False, 0.25)
+    out.sum().backward()
+    got = [t.grad.clone() for t in (q, k, v, rel)]
+    for t in (q, k, v, rel):
+        t.grad = None
+    whole = bias.unsqueeze(0).expand(2, 3, 2, 9, 9).reshape(6, 2, 9, 9)
+    want = ((q @ k.transpose(-2, -1)) * 0.25 + whole).softmax(-1) @ v
+    want.sum().backward()
+    check_close("out", out, want, 1e-5)
+    for name, g, t in zip(("dq", "dk", "dv", "drel"), got, (q, k, v, rel)):
+        check_close(name, g, t.grad, 1e-4)
+    with pytest.raises(ValueError, match="nor is it window-periodic"):
+        torch.ops.fuse_plugin.attention(q, k, v, torch.zeros(4, 2, 9, 9), 0.0, False, 0.25)
+
+
+@pytest.mark.parametrize("family", ["general", "small"])
+def test_kernels_read_a_periodic_bias(family):
+    """Kernels in Triton's interpreter: the general family gets the bias materialised, the small
+    one reads it by period; dbias comes back summed over each window's batches."""
+    q, k, v, rel, mask = _periodic()
+    bias = (rel + mask).detach()
+    with registry.forced(family):
+        out, lse = K.attention_forward(q.detach(), k.detach(), v.detach(), bias, is_causal=False, scale=0.25)
+        dout = torch.randn_like(out)
+        dq, dk, dv, dbias = K.attention_backward(dout, q.detach(), k.detach(), v.detach(), bias, out, lse,
+                                                 is_causal=False, scale=0.25, need_dbias=True)
+    whole = bias.unsqueeze(0).expand(2, 3, 2, 9, 9).reshape(6, 2, 9, 9).double().requires_grad_(True)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    want = ((q64 @ k64.transpose(-2, -1)) * 0.25 + whole).softmax(-1) @ v64
+    want.backward(dout.double())
+    check_close("out", out, want, 1e-5)
+    for name, g, t in (("dq", dq, q64), ("dk", dk, k64), ("dv", dv, v64)):
+        check_close(name, g, t.grad, 1e-5)
+    assert dbias.shape == (3, 2, 9, 9)
+    check_close("dbias", dbias, whole.grad.view(2, 3, 2, 9, 9).sum(0), 1e-5)

@@ -1,0 +1,89 @@
+"""The choice-table tuner (fuse_plugin/tune_choices.py) on the CPU: every step it runs on the GPU
+(our families forced and checked against the general one, the small family's configs, Inductor's
+decomposition compiled in inference and training), on a tiny class in Triton's interpreter and
+Inductor's CPU backend; times are only checked for their form here."""
+import json
+import os
+
+import pytest
+import torch
+
+from fuse_plugin import tune_choices
+from fuse_plugin.kernels import choice_table
+from fuse_plugin.ops import cpu_kernels
+
+
+@pytest.fixture
+def tiny(monkeypatch):
+    monkeypatch.setattr(tune_choices, "SMALL_PER_PROGRAM", (1, 4))
+    monkeypatch.setattr(tune_choices, "SMALL_WARPS", (4,))
+    with cpu_kernels("triton"):
+        yield tune_choices.Case((4, 2, 1, 9, 9, 16, 16), "periodic", period=2, seen="a tiny Swin")
+
+
+def test_a_class_is_measured_like_on_the_gpu(tiny):
+    logged = []
+    entry = tune_choices.measure_class("tiny", tiny, logged.append, device="cpu")
+    assert set(entry["fwd"]) == {"small", "general"}  # the families that take a periodic GQA bias
+    assert set(entry["bwd"]) == {"small", "general", "two_kernel"}
+    assert all(t > 0 for t in list(entry["fwd"].values()) + list(entry["bwd"].values()))
+    assert set(entry["inductor"]) == {"fwd", "train"} and min(entry["inductor"].values()) > 0
+    assert len(entry["small"]["fwd"]) == 3 and entry["small"]["fwd"][0] in (1, 4)
+    assert not [r for r in logged if "error" in r or "disagrees" in r], logged
+    line = tune_choices.summary({"k": dict(entry, name="tiny")}).splitlines()[1]
+    assert line.startswith("tiny | ") and line.count("|") == 4
+
+
+def test_a_family_that_disagrees_is_left_out(tiny, monkeypatch):
+    """A wrong family (here: the small one's forward made to return zeros) is not entered."""
+    from fuse_plugin.kernels import attention_small
+
+    real = attention_small.forward
+
+    def wrong(q, k, v, bias, *, out, lse, **kw):
+        real(q, k, v, bias, out=out, lse=lse, **kw)
+        out.zero_()
+
+    monkeypatch.setattr(attention_small, "forward", wrong)
+    logged = []
+    entry = tune_choices.measure_class("tiny", tiny, logged.append, device="cpu")
+    assert "small" not in entry["fwd"] and "general" in entry["fwd"]
+    assert any(r.get("disagrees") and r["family"] == "small" for r in logged)
+
+
+def test_the_written_table_is_read_back(tmp_path, monkeypatch):
+    """An entry in the file's format is found by its class key (choice_table.lookup)."""
+    case = tune_choices.CLASSES["swin-s1-shifted"]
+    key = choice_table.class_key(torch.bfloat16, case.shape[5], case.shape[6], case.shape[3],
+                                 case.shape[4], case.bias, case.causal, bool(case.dropout))
+    entry = {"fwd": {"small": 1.0}, "bwd": {"small": 2.0}, "inductor": {"fwd": 3.0, "train": 4.0},
+             "small": {"fwd": [4, 4, 2]}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": choice_table.FORMAT, "gpus": {"H": {"entries": {key: entry}}}}))
+    monkeypatch.setenv(choice_table.ENV, str(path))
+    choice_table.clear_cache()
+    try:
+        got = choice_table.lookup(torch.device("cuda"), key)
+        assert got["fwd"] == {"small": 1.0} and got["small"]["fwd"] == [4, 4, 2]
+    finally:
+        choice_table.clear_cache()
+    assert os.path.basename(str(choice_table.path_for((9, 0)))) == "attention_choices_sm90.json"
+
+
+def test_the_kernel_choice_table_runs(tiny, monkeypatch):
+    """benchmarks/attention.py --choice, one tiny row on the CPU (no SDPA columns there): every
+    family that can run the row timed, the chosen one named, the ratio column filled."""
+    import importlib.util
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("attention_bench", os.path.join(root, "benchmarks", "attention.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "attention_bench", bench)
+    spec.loader.exec_module(bench)
+    lines, data = bench.choice_table(log=lambda *a: None, cases=[("tiny", tiny)], device="cpu")
+    assert data[0]["chosen"] == {"fwd": "general", "bwd": "general"}  # nothing measured: the rules
+    assert {"chosen", "general", "small", "inductor"} <= set(data[0]["ms"])
+    cells = lines[-1].split("|")
+    assert cells[1].strip() == "tiny" and len(cells) == 7 and cells[5].count("/") == 2
