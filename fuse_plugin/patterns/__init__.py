@@ -8,6 +8,7 @@ a rotary q+k pair that feeds only an attention is folded into it (`rope_attentio
     mha.py             nn.MultiheadAttention (one F.multi_head_attention_forward node) → projections + attention
     batch_views.py     views of the scores' batch dims between q·kᵀ and the softmax; masks carried across them
     attention.py       the attention recogniser (q·kᵀ, the chain to the softmax, w·v, GQA; replace)
+    choice.py          our op or the site left to Inductor, from the measured choice table
     rope_attention.py  rotary_qk → attention becomes one rope_attention (rotation in the kernel)
     attention_bias.py  the scale and masks of the scores → scale, is_causal, one bias (+ replace mask)
     causal_mask.py     abstract interpreter over mask-building nodes: proves a mask causal
@@ -43,8 +44,12 @@ def rewrite(gm: fx.GraphModule) -> Report:
     for kind in ("attention", "rotary", "rope_attention"):
         if report.count(kind):
             counters["fuse_plugin"][kind] += report.count(kind)
+    if report.left:
+        counters["fuse_plugin"]["attention_left"] += len(report.left)
     for s in report.sites:
         log.info("fused %s at %s%s: %s", s.kind, s.source, f" [in {s.graph}]" if s.graph else "", s.detail)
+    for m in report.left:
+        log.info("left %s at %s%s: %s", m.kind, m.source, f" [in {m.graph}]" if m.graph else "", m.reason)
     for m in report.misses:
         log.debug("not fused %s at %s%s: %s", m.kind, m.source, f" [in {m.graph}]" if m.graph else "", m.reason)
     return report

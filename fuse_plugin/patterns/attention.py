@@ -8,9 +8,10 @@ instead of traced patterns. From every softmax it walks
                                      transpose(2,3) / .mT / permute(0,1,3,2) of k, or k given
                                      pre-transposed; constant factors on q or k fold into the scale.
                                      A 3-D product of q, k with batch and heads merged, viewed back
-                                     as (B, H, Lq, Lk) (`_split_batch`), reads the 4-D q and k
+                                     as (B, H, Lq, Lk) (`_ScoresSide.split`), reads the 4-D q and k
     x = scores ∘ scale ∘ masks       `_chain`: * s, / s, + bias, - bias, masked_fill, where, casts,
-                                     a softcap c·tanh(s / c) before the masks (`_softcap`)
+                                     a softcap c·tanh(s / c) before the masks (`_softcap`), views
+                                     of the batch dims (batch_views.py)
     w = softmax(x, dim=-1)           (dtype=, .float() before, .to()/.type_as() after)
     w = dropout(w)                   any constant p in [0, 1) and training flag (p > 0 in
                                      training: done by the op, with its own random mask)
@@ -27,16 +28,38 @@ fills, NaN with -inf), with the op's `replace` mask where a finite fill replaced
 that those scores are the bias alone, without gradient into q·kᵀ, also next to additive terms). GQA k/v repeated by HF `repeat_kv` or `repeat_interleave(n, 1)` are passed
 un-repeated (`_unrepeat_kv`).
 
+Matching changes nothing, as in Inductor's pattern_matcher: `match_attention` returns a plan
+(`AttentionSite`) or why not, in stages that each return what they found or a reason:
+
+    _weights_side      from the weights to w·v: casts, dropout, batch views
+    _scores_side       the chain from q·kᵀ to the softmax, the regions its batch views make, the
+                       canonical scores shape the op computes in
+    _product_operands  q and k (the scale folded from them) and v, in the canonical shape
+    _carry_masks       masks added in another region, carried to the canonical shape (batch_views):
+                       detached nodes (graph_edit.detached), window-periodic where they allow it
+    _sizes, _one_dtype q, k, v shapes and dtypes
+    _masks             scale, is_causal and the bias parts (attention_bias.py); a window-periodic
+                       carry that another mask does not fit is redone whole
+    _gqa               one k/v head broadcast, or k/v un-repeated
+    _site_nodes        the nodes the op takes over: none used elsewhere, no input written in between
+
+`replace` builds the plan: the carried masks where the chain added them, the bias, the op. A near
+miss, a site left to Inductor and an error while matching leave the graph as it was.
+
 In-place writes: the op stands just before `out` and reads its inputs there, so an input written
 in place (a static KV cache's `index_copy_` / slice assignment) is taken when no write into it lies
 between the site's first read of it and the op (writes.py); in-place fills of the scores before the
 softmax (`x.masked_fill_(m, v)`, `x += bias`) are chain ops like their out-of-place forms.
 
-Every softmax that is not replaced is reported as a miss with its reason; an unexpected error in
-one site is reported as a miss and leaves the graph as it was (`rewrite`).
+A matched site goes to our op unless the measured choice leaves it to Inductor (choice.py: the
+site's decomposition, as stock compile runs it, measured faster for its class); such a site is
+reported as left to Inductor, with the measurement. Every softmax that is not replaced is reported
+as a miss with its reason; an unexpected error in one site is reported as a miss and leaves the
+graph as it was (`rewrite`).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import operator
@@ -47,13 +70,14 @@ import torch
 from torch import fx
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
-from .attention_bias import BiasTerm, build_bias, causal_or_bias, read_masks, replace_mask
+from . import choice
+from .attention_bias import BiasTerm, MaskFill, build_bias, causal_or_bias, read_masks, replace_mask
 from .batch_views import batch_view, carry_mask
 from .canon import (Call, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
                     is_identity, is_in_place_form, known_equal, mutates, norm_dim, same_shape, shape, shape_only_use, size_in_range,
                     tensor_meta, written)
 from .causal_mask import constant_number
-from .graph_edit import NodeBuilder, erase_dead, fake_mode_of, graph_fake_mode
+from .graph_edit import NodeBuilder, detached, erase_dead, graph_fake_mode
 from .report import Report
 from .writes import graph_order, write_between
 
@@ -84,7 +108,8 @@ class _Operand:
 
 @dataclass
 class AttentionSite:
-    """One matched attention: what `replace` needs to emit the op."""
+    """One matched attention, a plan: what `replace` builds (the op, the masks carried across batch
+    views) and which nodes it takes over. Its bias parts may read the detached nodes of `carried`."""
 
     softmax: fx.Node
     scores: fx.Node  # the q·kᵀ product
@@ -105,7 +130,8 @@ class AttentionSite:
     notes: list = field(default_factory=list)
     dropout_p: float = 0.0  # F.dropout(w, p, training=True) on the weights, done by the op
     safe: bool = False  # the softmax is _safe_softmax: rows whose every score is -inf give 0, not NaN
-    created: list = field(default_factory=list)  # masks carried to the canonical shape (batch_views)
+    carried: list = field(default_factory=list)  # [_CarriedMask]: masks carried across batch views, to build
+    period: Optional[int] = None  # the bias is window-periodic over the batch (batch_views.carry_mask)
 
 
 # =============================================================================== q·kᵀ and w·v
@@ -258,18 +284,6 @@ def _k_from_kt(kt: fx.Node) -> Union[_Operand, str]:
         if c.name == "getattr" and (c["name"] == "mT" or (c["name"] == "T" and r == 2)):
             return _Operand(c["input"])
     return _Operand(kt, (("transpose", -2, -1),))  # k given pre-transposed
-
-
-def _split_batch(node: fx.Node) -> Optional[fx.Node]:
-    """x when node = x.view(B, H, Lq, Lk) for x (B·H, Lq, Lk): scores computed with batch and
-    heads merged (bmm / baddbmm), split again."""
-    c = call_of(node)
-    if c is None or c.name not in ("view", "reshape") or written(node) or not isinstance(c["input"], fx.Node):
-        return None
-    s, p = shape(node), shape(c["input"])
-    if s is None or p is None or len(s) != 4 or len(p) != 3:
-        return None
-    return c["input"] if known_equal(s[0] * s[1], p[0]) and same_shape(s[2:], p[1:]) else None
 
 
 def _merged_operand(x: _Operand, heads: tuple) -> Optional[_Operand]:
@@ -639,28 +653,56 @@ def _describe(x: Any) -> str:
 
 
 def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
-    """The attention around `softmax`, or why it is not one we can replace. Masks carried to the
-    canonical shape are new nodes (`site.created`); when the match fails they are taken out again,
-    so a near miss leaves the graph as it was."""
-    created: list = []
-    try:
-        site = _match_attention(softmax, created)
-    except BaseException:
-        _erase_created(created)
-        raise
-    if isinstance(site, str):
-        _erase_created(created)
-    return site
+    """The attention around `softmax` as a plan for `replace`, or why it is not one we can replace.
+    Reads the graph and changes nothing: masks carried across batch views are detached nodes
+    (`_CarriedMask`) until `replace` builds them."""
+    x = _softmax_input(softmax)
+    if isinstance(x, str):
+        return x
+    ws = _weights_side(softmax)
+    if isinstance(ws, str):
+        return ws
+    sc = _scores_side(x, softmax, ws.between)
+    if isinstance(sc, str):
+        return sc
+    o = _product_operands(sc, ws)
+    if isinstance(o, str):
+        return o
+    carry = _carry_masks(sc, periodic=True)
+    if isinstance(carry, str):
+        return carry
+    sizes = _sizes(o, sc, ws.pv)
+    if isinstance(sizes, str):
+        return sizes
+    o = _one_dtype(o)
+    if isinstance(o, str):
+        return o
+    masks = _masks(sc, carry, sizes)
+    if isinstance(masks, str):
+        return masks
+    kv = _gqa(o, sizes, sc.rank)
+    if isinstance(kv, str):
+        return kv
+    k, v, groups = kv
+    scale_nodes = o.runtime_scale + masks.scale_nodes
+    inputs = [o.q.node, k.node, v.node] + [n for n, _ in scale_nodes] + [_part_node(p) for p in masks.bias_parts]
+    matched = _site_nodes(sc, softmax, ws, inputs)
+    if isinstance(matched, str):
+        return matched
+    why = _head_dims(sizes)
+    if why is not None:
+        return why
+    return AttentionSite(
+        softmax=softmax, scores=sc.product, output=ws.pv, q=o.q, k=k, v=v, rank=sc.rank,
+        scale=o.qk_scale * masks.scale, scale_nodes=scale_nodes, bias_parts=masks.bias_parts,
+        is_causal=masks.is_causal, causal_note=masks.causal_note, kv_groups=groups, softcap=sc.softcap,
+        out_ops=o.out_ops, matched=matched, notes=masks.notes, dropout_p=ws.dropout_p,
+        safe=call_of(softmax).name == "safe_softmax", carried=masks.carry.carried, period=masks.carry.period,
+    )
 
 
-def _erase_created(created: list) -> None:
-    for n in reversed(created):
-        if not getattr(n, "_erased", False) and not n.users:
-            n.graph.erase_node(n)
-    created.clear()
-
-
-def _match_attention(softmax: fx.Node, created: list) -> Union[AttentionSite, str]:
+def _softmax_input(softmax: fx.Node) -> Union[fx.Node, str]:
+    """The softmax's input, or why the softmax is not over the last dim of a tensor."""
     c = call_of(softmax)
     x = c["input"]
     s = shape(x)
@@ -669,7 +711,28 @@ def _match_attention(softmax: fx.Node, created: list) -> Union[AttentionSite, st
     dim = norm_dim(c["dim"], len(s)) if s else None
     if dim is None or dim != len(s) - 1:
         return f"softmax over dim {c['dim']}, not the last dim"
-    # ---------------------------------------------------------------- output side: w → w·v
+    return x
+
+
+# ------------------------------------------------------------------------------- weights side
+
+
+@dataclass
+class _WeightsSide:
+    """From the weights to w·v: `w` as multiplied with v, the casts, dropout and batch views between
+    the softmax and the product `pv`, and the product's v operand and output view ops."""
+
+    w: fx.Node
+    between: list
+    dropout_p: float
+    pv: fx.Node
+    v: _Operand
+    out_ops: tuple
+
+
+def _weights_side(softmax: fx.Node) -> Union[_WeightsSide, str]:
+    """The weights side of `softmax` (each node the sole user of the one before, none written in
+    place, up to a product with v: `_weights_times_v`), or why not."""
     w, between, dropout_p = softmax, [], 0.0
     while True:
         users = list(w.users)
@@ -682,166 +745,359 @@ def _match_attention(softmax: fx.Node, created: list) -> Union[AttentionSite, st
             break
         cu = call_of(u)
         if cu is not None and cu.name == "dropout":
-            p, training = cu["p"], cu["training"]
-            if not isinstance(p, (int, float)) or not isinstance(training, bool):
-                return "dropout with a non-constant p or training flag"
-            if p != 0 and training:
-                if dropout_p:
-                    return "two dropouts on the attention weights"
-                if not 0 < p < 1:
-                    return f"dropout p={p} (the op takes 0 <= p < 1)"
-                dropout_p = float(p)
+            dropout_p = _dropout_p(cu, dropout_p)
+            if isinstance(dropout_p, str):
+                return dropout_p
         elif cu is None or not (float_cast_dtype(cu) is not None or is_identity(cu) or batch_view(u) is w):
             return f"softmax output feeds {_describe(u)}, not a product with v"
         between.append(u)
         w = u
-    pv = u
-    r = _weights_times_v(w, pv)
-    if isinstance(r, str):
-        return r
-    v, out_ops = r
-    # ---------------------------------------------------------------- input side: scores → softmax
+    r = _weights_times_v(w, u)
+    return r if isinstance(r, str) else _WeightsSide(w, between, dropout_p, u, *r)
+
+
+def _dropout_p(c: Call, before: float) -> Union[float, str]:
+    """The dropout probability on the weights after the dropout call `c` (`before`: an earlier
+    dropout's, kept where c drops nothing: p = 0 or not training), or why the op cannot do it."""
+    p, training = c["p"], c["training"]
+    if not isinstance(p, (int, float)) or not isinstance(training, bool):
+        return "dropout with a non-constant p or training flag"
+    if p == 0 or not training:
+        return before
+    if before:
+        return "two dropouts on the attention weights"
+    if not 0 < p < 1:
+        return f"dropout p={p} (the op takes 0 <= p < 1)"
+    return float(p)
+
+
+# ------------------------------------------------------------------------------- scores side
+
+
+@dataclass
+class _ScoresSide:
+    """From q·kᵀ to the softmax: the `product`, the chain `ops` (top-down as `_chain` lists them, a
+    baddbmm's input last) with their `nodes` and `regions` (the shape of the scores where each op
+    acts), the softcap (0.0: none), and `split`: the 4-D (B, H, Lq, Lk) view of a product over
+    merged batch and heads, if the chain has one."""
+
+    product: fx.Node
+    ops: list
+    nodes: list
+    regions: list
+    softcap: float
+    with_input: bool  # a baddbmm adds its input (the last chain op)
+    split: Optional[tuple]
+
+    @property
+    def canonical(self) -> tuple:
+        """The shape of the scores the op computes: `split`, or the product's."""
+        return self.split if self.split is not None else shape(self.product)
+
+    @property
+    def rank(self) -> int:
+        return len(self.canonical)
+
+
+def _scores_side(x: fx.Node, softmax: fx.Node, between: list) -> Union[_ScoresSide, str]:
+    """The scores side of `softmax` from its input x (`_chain`, `_softcap`, no narrowing cast, a
+    baddbmm's input, `_regions`), or why not."""
     r = _chain(x, softmax, between)
     if isinstance(r, str):
         return r
-    scores, ops, chain_nodes = r
+    product, ops, nodes = r
     softcap = _softcap(ops)
     if isinstance(softcap, str):
         return softcap
-    narrowed = _narrowing_cast([scores] + list(reversed(chain_nodes)) + [softmax])
+    narrowed = _narrowing_cast([product] + list(reversed(nodes)) + [softmax])
     if narrowed is not None:
         return narrowed
-    # baddbmm(input, q, kᵀ, beta=1, alpha): its input is added to the scores (BLOOM's ALiBi)
-    pc = call_of(scores)
-    with_input = pc.name == "baddbmm" and constant_number(pc["beta"]) != 0
-    if with_input:
-        if constant_number(pc["beta"]) != 1:
-            return f"baddbmm with beta={pc['beta']} scales the bias it adds"
-        if tensor_meta(pc["input"]) is None:
-            return "the baddbmm input has no tensor metadata"
-        ops, chain_nodes = ops + [("add", pc["input"], False)], chain_nodes + [scores]
-    # regions: the shape of the scores where each chain op acts (views of the batch dims change it)
-    regions, region = [], shape(scores)
-    for op, n in reversed(list(zip(ops, chain_nodes))):
+    added = _baddbmm_input(product)
+    if isinstance(added, str):
+        return added
+    ops, nodes = ops + added, nodes + [product] * len(added)
+    regions = _regions(ops, nodes, product)
+    if isinstance(regions, str):
+        return regions
+    ps = shape(product)
+    split = next((reg for reg in reversed(regions) if len(ps) == 3 and len(reg) == 4
+                  and known_equal(reg[0] * reg[1], ps[0]) and same_shape(reg[2:], ps[1:])), None)
+    return _ScoresSide(product, ops, nodes, regions, softcap, bool(added), split)
+
+
+def _baddbmm_input(product: fx.Node) -> Union[list, str]:
+    """[("add", input, False)] for baddbmm(input, q, kᵀ, beta=1, alpha), whose input is added to the
+    scores (BLOOM's ALiBi); [] for another product (a baddbmm with beta=0 ignores its input); or
+    why not."""
+    c = call_of(product)
+    if c.name != "baddbmm" or constant_number(c["beta"]) == 0:
+        return []
+    if constant_number(c["beta"]) != 1:
+        return f"baddbmm with beta={c['beta']} scales the bias it adds"
+    if tensor_meta(c["input"]) is None:
+        return "the baddbmm input has no tensor metadata"
+    return [("add", c["input"], False)]
+
+
+def _regions(ops: list, nodes: list, product: fx.Node) -> Union[list, str]:
+    """The shape of the scores where each chain op acts (a batch view changes it for the ops above
+    it), or why a chain op broadcasts the scores to another shape."""
+    regions, region = [], shape(product)
+    for op, n in reversed(list(zip(ops, nodes))):
         if op[0] == "batch_view":
             region = shape(n)
         regions.append(region)
     regions.reverse()
-    for n, reg in zip(chain_nodes, regions):
+    for n, reg in zip(nodes, regions):
         if not same_shape(shape(n), reg):
             return f"mask broadcasts the scores from {fmt_shape(reg)} to {fmt_shape(shape(n))}"
-    # the canonical shape the op computes in: the product's, or (B, H, Lq, Lk) where the product is
-    # over merged (B·H) and viewed so, with q and k merged from 4-D tensors
-    ps = shape(scores)
-    split = next((reg for reg in reversed(regions) if len(ps) == 3 and len(reg) == 4
-                  and known_equal(reg[0] * reg[1], ps[0]) and same_shape(reg[2:], ps[1:])), None)
-    ss = split if split is not None else ps
-    r = _product(scores, heads=ss[:2] if split is not None else None, with_input=with_input)
+    return regions
+
+
+# ------------------------------------------------------------------------------- operands
+
+
+@dataclass
+class _Operands:
+    """q, k, v for the op, the view ops on its output, the constant scale folded from q and k and
+    the run-time factors [(node, divide)] on them."""
+
+    q: _Operand
+    k: _Operand
+    v: _Operand
+    out_ops: tuple
+    qk_scale: float
+    runtime_scale: list
+
+
+def _product_operands(sc: _ScoresSide, ws: _WeightsSide) -> Union[_Operands, str]:
+    """q and k of the product (`_product`) and v (`_v_in_canonical`), read in the canonical shape,
+    or why not."""
+    r = _product(sc.product, heads=sc.split[:2] if sc.split is not None else None, with_input=sc.with_input)
     if isinstance(r, str):
         return r
     q, k, qk_scale, runtime_scale = r
-    rank = len(ss)
-    if rank not in (2, 3, 4):
-        return f"scores of rank {rank} (only 2-D, 3-D and 4-D attention)"
-    if not same_shape(shape(x), regions[0] if regions else ps):
-        return f"the softmax input {fmt_shape(shape(x))} is not the scores {fmt_shape(regions[0] if regions else ps)}"
-    # the weights times v in another shape (3-D over merged heads): v from its 4-D source, output flattened
-    wv = shape(w)
-    if not same_shape(wv, ss):
-        if not (split is not None and len(wv) == 3 and known_equal(wv[0], ps[0]) and same_shape(wv[1:], ss[2:])
-                and not v.ops and not out_ops):
-            return f"the weights are multiplied with v as {fmt_shape(wv)}, not as the scores {fmt_shape(ss)}"
-        v4 = _merged_from(v.node, ss[:2])
-        if v4 is None:
-            return "the weights are multiplied with v over merged (batch, heads), but v is no view of a 4-D tensor"
-        v, out_ops = _Operand(v4), (("flatten", 0, 1),)
-    # masks added in another region, carried to the canonical shape
-    fake_mode = graph_fake_mode(softmax.graph.owning_module) if softmax.graph.owning_module is not None else None
-    for i, (op, reg) in enumerate(zip(ops, regions)):
-        if op[0] not in ("add", "fill") or same_shape(reg, ss):
-            continue
-        m = op[1]
-        how = carry_mask(shape(m), reg, ss)
-        if isinstance(how, str):
-            return how
-        if how:
-            b = NodeBuilder(softmax.graph, chain_nodes[i], m, fake_mode or fake_mode_of(example_value(m)))
-            for meth, *a in how:
-                m = b.method(meth, m, *a)
-            created += b.created
-            ops[i] = (op[0], m) + tuple(op[2:])
-    # ---------------------------------------------------------------- shapes and dtypes
+    if sc.rank not in (2, 3, 4):
+        return f"scores of rank {sc.rank} (only 2-D, 3-D and 4-D attention)"
+    r = _v_in_canonical(sc, ws)
+    if isinstance(r, str):
+        return r
+    v, out_ops = r
+    return _Operands(q, k, v, out_ops, qk_scale, runtime_scale)
+
+
+def _v_in_canonical(sc: _ScoresSide, ws: _WeightsSide) -> Union[tuple, str]:
+    """(v, view ops on the op's output): w·v's, or where the weights are multiplied with v over
+    merged (batch, heads) and the scores are split, v from the 4-D tensor it was merged from and
+    the output flattened back; or why not."""
+    ss, wv = sc.canonical, shape(ws.w)
+    if same_shape(wv, ss):
+        return ws.v, ws.out_ops
+    if not (sc.split is not None and len(wv) == 3 and known_equal(wv[0], shape(sc.product)[0])
+            and same_shape(wv[1:], ss[2:]) and not ws.v.ops and not ws.out_ops):
+        return f"the weights are multiplied with v as {fmt_shape(wv)}, not as the scores {fmt_shape(ss)}"
+    v4 = _merged_from(ws.v.node, ss[:2])
+    if v4 is None:
+        return "the weights are multiplied with v over merged (batch, heads), but v is no view of a 4-D tensor"
+    return _Operand(v4), (("flatten", 0, 1),)
+
+
+@dataclass
+class _Sizes:
+    """What the op reads off q, k and v: lengths, head dims, q's heads (dim 1) and whether one k/v
+    head is broadcast over them by the products (`_broadcast_mqa`)."""
+
+    lq: Any
+    lk: Any
+    d: Any
+    dv: Any
+    heads: Any
+    mqa: bool
+
+
+def _sizes(o: _Operands, sc: _ScoresSide, pv: fx.Node) -> Union[_Sizes, str]:
+    """The sizes of q, k, v, or why their shapes do not make attention with the canonical scores
+    and the output pv."""
     try:
-        qv, kv, vv = q.value(), k.value(), v.value()
+        qv, kv, vv = o.q.value(), o.k.value(), o.v.value()
     except Exception as e:  # noqa: BLE001
         return f"cannot read q/k/v shapes: {e}"
     if not all(isinstance(t, torch.Tensor) for t in (qv, kv, vv)):
         return "q/k/v have no tensor metadata"
+    ss, rank = sc.canonical, sc.rank
     if not (qv.dim() == kv.dim() == vv.dim() == rank):
         return f"q, k, v ranks {qv.dim()}, {kv.dim()}, {vv.dim()} differ from the scores' {rank}"
     batch = tuple(qv.shape[:-2])
     lq, d = qv.shape[-2], qv.shape[-1]
     lk, dv = kv.shape[-2], vv.shape[-1]
     mqa = rank == 4 and _broadcast_mqa(qv.shape, kv.shape, vv.shape)
+    shapes = f"{fmt_shape(qv.shape)}, {fmt_shape(kv.shape)}, {fmt_shape(vv.shape)}"
     if not mqa and not (same_shape(kv.shape[:-2], batch) and same_shape(vv.shape[:-2], batch)):
-        return f"q, k, v batch dims differ: {fmt_shape(qv.shape)}, {fmt_shape(kv.shape)}, {fmt_shape(vv.shape)}"
+        return f"q, k, v batch dims differ: {shapes}"
     if not (known_equal(kv.shape[-1], d) and known_equal(vv.shape[-2], lk)):
-        return f"q, k, v shapes do not fit attention: {fmt_shape(qv.shape)}, {fmt_shape(kv.shape)}, {fmt_shape(vv.shape)}"
+        return f"q, k, v shapes do not fit attention: {shapes}"
     if not same_shape(ss, batch + (lq, lk)):
         return f"scores {fmt_shape(ss)} are not q·kᵀ of q {fmt_shape(qv.shape)}, k {fmt_shape(kv.shape)}"
     pv_shape = batch + (lq, dv)
-    if out_ops and out_ops[0][0] == "flatten":
+    if o.out_ops and o.out_ops[0][0] == "flatten":
         pv_shape = (pv_shape[0] * pv_shape[1],) + pv_shape[2:]
-    elif out_ops:
-        pv_shape = tuple(pv_shape[i] for i in out_ops[0][1:])
+    elif o.out_ops:
+        pv_shape = tuple(pv_shape[i] for i in o.out_ops[0][1:])
     if not same_shape(shape(pv), pv_shape):
         return f"output {fmt_shape(shape(pv))} is not weights·v {fmt_shape(pv_shape)}"
-    qd, kd, vd = qv.dtype, kv.dtype, vv.dtype
-    if not (qd == kd == vd):
-        q, k, v = (_strip_cast(t) for t in (q, k, v))
-        qd, kd, vd = (t.value().dtype for t in (q, k, v))
-        if not (qd == kd == vd):
-            return f"q, k, v dtypes differ: {qd}, {kd}, {vd}"
-    if qd not in _DTYPES:
-        return f"dtype {qd} (the op takes fp16, bf16, fp32, fp64)"
-    # ---------------------------------------------------------------- scale and masks
-    r = read_masks([op for op in ops if op[0] not in ("tanh", "batch_view")], ss, lq, lk)
+    return _Sizes(lq, lk, d, dv, qv.shape[1] if rank == 4 else None, mqa)
+
+
+def _one_dtype(o: _Operands) -> Union[_Operands, str]:
+    """o with q, k, v of one dtype the op takes: as they are, or without their float casts where
+    the dtypes differ (`_strip_cast`); or why not."""
+    dtypes = [x.value().dtype for x in (o.q, o.k, o.v)]
+    if len(set(dtypes)) > 1:
+        o = dataclasses.replace(o, q=_strip_cast(o.q), k=_strip_cast(o.k), v=_strip_cast(o.v))
+        dtypes = [x.value().dtype for x in (o.q, o.k, o.v)]
+        if len(set(dtypes)) > 1:
+            return f"q, k, v dtypes differ: {', '.join(map(str, dtypes))}"
+    if dtypes[0] not in _DTYPES:
+        return f"dtype {dtypes[0]} (the op takes fp16, bf16, fp32, fp64)"
+    return o
+
+
+def _gqa(o: _Operands, sizes: _Sizes, rank: int) -> Union[tuple, str]:
+    """(k, v, q heads per kv head): k/v of one head broadcast over q's heads (Falcon: GQA of one
+    group), or un-repeated (`_unrepeat_kv`); else as they are, with 1; or why not."""
+    if sizes.mqa:
+        if not isinstance(sizes.heads, int):
+            return "k/v of one head broadcast over a symbolic number of q heads"
+        return o.k, o.v, sizes.heads
+    if rank == 4:
+        uk, uv = _unrepeat_kv(o.k), _unrepeat_kv(o.v)
+        if uk is not None and uv is not None and uk[1] == uv[1] and known_equal(shape(uk[0])[1], shape(uv[0])[1]):
+            return _Operand(uk[0]), _Operand(uv[0]), uk[1]
+    return o.k, o.v, 1
+
+
+def _head_dims(sizes: _Sizes) -> Optional[str]:
+    """Why the head dims are not the kernels' (None: they are)."""
+    for name, val in (("D", sizes.d), ("Dv", sizes.dv)):
+        if not size_in_range(val, *HEAD_DIM_RANGE):
+            return f"head dim {name}={val} outside the kernel's [{HEAD_DIM_RANGE[0]}, {HEAD_DIM_RANGE[1]}]"
+    return None
+
+
+# ------------------------------------------------------------------------------- masks
+
+
+@dataclass
+class _CarriedMask:
+    """A mask added in another region of the chain, carried to the canonical scores: its view ops
+    (batch_views.carry_mask) as detached nodes `views` (graph_edit.detached), the last the carried
+    mask; `replace` builds them just before `at`, the chain node that adds the mask."""
+
+    mask: fx.Node
+    at: fx.Node
+    views: list
+
+
+@dataclass
+class _Carry:
+    """The chain ops with the masks of other regions `carried`, and their window period (None: the
+    bias is not window-periodic)."""
+
+    ops: list
+    carried: list
+    period: Optional[int]
+
+
+def _carry_masks(sc: _ScoresSide, periodic: bool) -> Union[_Carry, str]:
+    """The chain ops with the masks added in other regions carried to the canonical scores, or why
+    one cannot be. With `periodic`, masks that allow it become window-periodic (batch_views); where
+    they disagree on the period, all are carried whole."""
+    ss = sc.canonical
+    plans = {}
+    for i, (op, reg) in enumerate(zip(sc.ops, sc.regions)):
+        if op[0] not in ("add", "fill") or same_shape(reg, ss):
+            continue
+        how = carry_mask(shape(op[1]), reg, ss, periodic)
+        if isinstance(how, str):
+            return how
+        plans[i] = how
+    periods = {p for _, p in plans.values() if p is not None}
+    if len(periods) > 1:  # two window counts: carried whole
+        return _carry_masks(sc, periodic=False)
+    ops, carried = list(sc.ops), []
+    for i, (how, _) in plans.items():
+        if how:
+            carried.append(_carried_mask(ops[i][1], how, sc.nodes[i]))
+            ops[i] = (ops[i][0], carried[-1].views[-1]) + tuple(ops[i][2:])
+    return _Carry(ops, carried, periods.pop() if periods else None)
+
+
+def _carried_mask(mask: fx.Node, how: list, at: fx.Node) -> _CarriedMask:
+    """`mask` carried by the view ops `how` [(method, *args)], as detached nodes."""
+    gm = at.graph.owning_module
+    fake_mode = graph_fake_mode(gm) if gm is not None else None
+    views, m = [], mask
+    for meth, *a in how:
+        m = detached("call_method", meth, (m, *a), mask, fake_mode)
+        views.append(m)
+    return _CarriedMask(mask, at, views)
+
+
+@dataclass
+class _Masks:
+    """The scale and masks of the chain as the op takes them (attention_bias.causal_or_bias), and
+    the carry they were read from."""
+
+    scale: float
+    scale_nodes: list  # [(node, divide)]
+    bias_parts: list
+    is_causal: bool
+    causal_note: str
+    notes: list
+    carry: _Carry
+
+
+def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes) -> Union[_Masks, str]:
+    """The chain's masks read (attention_bias.read_masks, causal_or_bias), or why not. A
+    window-periodic carry that another mask does not fit (one per image) is redone whole."""
+    r = _read_masks(carry, sc.canonical, sizes)
+    if isinstance(r, str) and carry.period is not None:
+        carry = _carry_masks(sc, periodic=False)
+        if isinstance(carry, str):
+            return carry
+        r = _read_masks(carry, sc.canonical, sizes)
     if isinstance(r, str):
         return r
     r2 = causal_or_bias(r)
     if isinstance(r2, str):
         return r2
-    bias_parts, is_causal, causal_note, notes = r2
-    scale, scale_nodes = r.scale, runtime_scale + r.scale_nodes
-    # ---------------------------------------------------------------- GQA
-    groups = 1
-    if mqa:  # k and v of one head, broadcast over q's heads in the products (Falcon): GQA of one group
-        groups = qv.shape[1]
-        if not isinstance(groups, int):
-            return "k/v of one head broadcast over a symbolic number of q heads"
-    elif rank == 4:
-        uk, uv = _unrepeat_kv(k), _unrepeat_kv(v)
-        if uk is not None and uv is not None and uk[1] == uv[1] and known_equal(shape(uk[0])[1], shape(uv[0])[1]):
-            k, v, groups = _Operand(uk[0]), _Operand(uv[0]), uk[1]
-    matched = list(dict.fromkeys([scores] + list(reversed(chain_nodes)) + [softmax] + between + [pv]))
+    return _Masks(r.scale, r.scale_nodes, *r2, carry)
+
+
+def _read_masks(carry: _Carry, ss: tuple, sizes: _Sizes):
+    """read_masks of the carried chain ops, on the scores of one window period where it has one."""
+    scores = ss if carry.period is None else (carry.period,) + tuple(ss[1:])
+    return read_masks([op for op in carry.ops if op[0] not in ("tanh", "batch_view")], scores, sizes.lq, sizes.lk)
+
+
+def _part_node(p: Any) -> Any:
+    """The tensor a bias part reads."""
+    return p.node if isinstance(p, BiasTerm) else p.mask
+
+
+# ------------------------------------------------------------------------------- the site's nodes
+
+
+def _site_nodes(sc: _ScoresSide, softmax: fx.Node, ws: _WeightsSide, inputs: list) -> Union[list, str]:
+    """The nodes from the product to w·v, which the op takes over, or why it cannot: one is also
+    used outside the site, or one of the op's `inputs` is written in place after the site first
+    reads it (the op stands just before w·v: writes.write_between)."""
+    matched = list(dict.fromkeys([sc.product] + list(reversed(sc.nodes)) + [softmax] + ws.between + [ws.pv]))
     for n in matched:
-        if n is not pv and any(u not in matched and not _shape_use_in_chain(u, n, matched) for u in n.users):
+        if n is not ws.pv and any(u not in matched and not _shape_use_in_chain(u, n, matched) for u in n.users):
             return f"{n.name} is also used outside the attention"
-    inputs = [q.node, k.node, v.node] + [n for n, _ in scale_nodes]
-    inputs += [p.node if isinstance(p, BiasTerm) else p.mask for p in bias_parts]
-    why = write_between(inputs, matched, pv, graph_order(softmax.graph))  # the op stands just before pv
-    if why is not None:
-        return why
-    for name, val in (("D", d), ("Dv", dv)):
-        if not size_in_range(val, *HEAD_DIM_RANGE):
-            return f"head dim {name}={val} outside the kernel's [{HEAD_DIM_RANGE[0]}, {HEAD_DIM_RANGE[1]}]"
-    return AttentionSite(
-        softmax=softmax, scores=scores, output=pv, q=q, k=k, v=v, rank=rank,
-        scale=qk_scale * scale, scale_nodes=scale_nodes, bias_parts=bias_parts,
-        is_causal=is_causal, causal_note=causal_note, kv_groups=groups, softcap=softcap,
-        out_ops=out_ops, matched=matched, notes=notes, dropout_p=dropout_p,
-        safe=c.name == "safe_softmax", created=created,
-    )
+    why = write_between(inputs, matched, ws.pv, graph_order(softmax.graph))
+    return matched if why is None else why
 
 
 def _broadcast_mqa(q: tuple, k: tuple, v: tuple) -> bool:
@@ -893,10 +1149,11 @@ def _needs_eager_strides(output: fx.Node) -> bool:
 
 
 def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
-    """Emit the op for `site`, take over the uses of its output, erase the dead matched nodes.
-    Returns the detail for the report."""
+    """Build the plan `site`: the carried masks, then the op; the op takes over the uses of the
+    output, and the dead matched nodes are erased. Returns the detail for the report."""
     b = NodeBuilder(gm.graph, site.output, site.softmax, ctx.get("fake_mode"))
     try:
+        bias_parts = _build_carried(b, site)
         q = _build_operand(b, site.q)
         for node, divide in site.scale_nodes:
             q = b.function(operator.truediv if divide else operator.mul, q, node)
@@ -905,8 +1162,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
             q, k, v = (b.method("unsqueeze", t, 0) for t in (q, k, v))
         bias_dtype = torch.float64 if dtype(site.scores) == torch.float64 else torch.float32
         memo = ctx.setdefault("bias_memo", {})
-        bias, bias_kind = build_bias(b, site.bias_parts, memo, bias_dtype)
-        replaced = replace_mask(b, site.bias_parts, memo)
+        bias, bias_kind = build_bias(b, bias_parts, memo, bias_dtype)
+        replaced = replace_mask(b, bias_parts, memo)
         seed = ()
         if site.dropout_p:
             # A fresh seed per call from torch's RNG: the op's forward and backward draw the same mask.
@@ -939,7 +1196,6 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
             out = b.method("to", out, want.dtype)
     except Exception:
         b.rollback()
-        _erase_created(site.created)
         raise
     site.output.replace_all_uses_with(out)
     # an in-place op among the matched nodes writes only into the matched scores: erased with them
@@ -950,7 +1206,7 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
     if site.is_causal:
         parts.append(f"is_causal ({site.causal_note})")
     if bias is not None:
-        parts.append(f"bias: {bias_kind}")
+        parts.append(f"bias: {bias_kind}" + (f", window-periodic ({site.period} windows)" if site.period else ""))
     if replaced is not None:
         parts.append("replace mask (finite fill)")
     if site.kv_groups > 1:
@@ -965,6 +1221,22 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         parts.append("_safe_softmax: rows masked everywhere give 0")
     parts += site.notes
     return ", ".join(parts)
+
+
+def _build_carried(b: NodeBuilder, site: AttentionSite) -> list:
+    """Build the masks carried across batch views, each just before the chain node that adds it;
+    returns the site's bias parts reading the built masks instead of the detached ones."""
+    built: dict = {}
+    for c in site.carried:
+        built.update(b.sibling(c.mask, before=c.at).build(c.views))
+    out = []
+    for p in site.bias_parts:
+        if isinstance(p, BiasTerm) and p.node in built:
+            p = dataclasses.replace(p, node=built[p.node])
+        elif isinstance(p, MaskFill) and p.mask in built:
+            p = dataclasses.replace(p, mask=built[p.mask])
+        out.append(p)
+    return out
 
 
 def _build_operand(b: NodeBuilder, x: _Operand) -> fx.Node:
@@ -997,8 +1269,12 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
             if isinstance(site, str):
                 report.missed(KIND, sm, site)
                 continue
+            decision = choice.decide(site)
+            if not decision.ours:
+                report.left_to_inductor(KIND, sm, decision.reason)
+                continue
             detail = replace(gm, site, ctx)
-            report.replaced(KIND, sm, detail)
+            report.replaced(KIND, sm, detail + (f"; {decision.reason}" if decision.reason else ""))
         except Exception as e:  # noqa: BLE001  (never break compile: leave this site as it was)
             log.warning("fuse_plugin: attention at %s left unfused after an internal error", sm.name, exc_info=True)
             report.missed(KIND, sm, f"internal error, left unfused: {type(e).__name__}: {e}")

@@ -11,9 +11,12 @@ Real code moves the scores between ranks on the way to the softmax, keeping the 
 `batch_view(node)`: the input of such a view. The attention then runs in one canonical shape
 (the 4-D shape q and k come in); a mask added in another "region" of the chain is carried over to
 it by `carry_mask`: the view ops that make it broadcast to the canonical scores exactly as it
-broadcast to the region's (a mask whose broadcast dims are merged with others, e.g. Swin's window
-mask (1, nW, 1, N, N) over (B, nW, H, N, N) → (B·nW, 1, N, N), is expanded first: a copy of the
-mask's size, not of the scores').
+broadcast to the region's (a mask whose broadcast dims are merged with others is expanded first:
+a copy of the mask's size, not of the scores'). Where the merged dims of the canonical batch are
+broadcast first and full after (Swin's window mask (1, nW, 1, N, N) over (B, nW, H, N, N), the
+batch b·nW + w reading window w), `carry_mask(..., periodic=True)` flattens it instead, to
+(nW, 1, N, N): the op's window-periodic bias (batch b reads row b % nW, ops/attention.py), with
+no copy per image.
 """
 from __future__ import annotations
 
@@ -83,11 +86,16 @@ def groups(src: tuple, dst: tuple) -> Optional[list[tuple[range, range]]]:
     return out
 
 
-def carry_mask(mask_shape: tuple, region: tuple, canonical: tuple) -> Union[list, str]:
-    """View ops [(method, *args)] that turn a mask broadcasting to the scores of shape `region` into
-    one broadcasting to the same scores viewed as `canonical` (both end in (Lq, Lk)), or why not.
-    Per group of batch dims (`groups`): left as they are, flattened and unflattened, or (broadcast
-    dims merged with others) expanded first. Sizes are ints or one -1 per unflatten."""
+def carry_mask(mask_shape: tuple, region: tuple, canonical: tuple, periodic: bool = False
+               ) -> Union[tuple[list, Optional[int]], str]:
+    """(view ops [(method, *args)], period) that turn a mask broadcasting to the scores of shape
+    `region` into one broadcasting to the same scores viewed as `canonical` (both end in (Lq, Lk)),
+    or why not. Per group of batch dims (`groups`): left as they are, flattened and unflattened, or
+    (broadcast dims merged with others) expanded first. Sizes are ints or one -1 per unflatten.
+
+    The period is None, but with `periodic` where the group of the canonical batch dim (dim 0)
+    merges broadcast dims followed by full ones (ints): those are flattened to P rows without an
+    expand (the window-periodic form, module doc), and the period is P."""
     n = len(region)
     if len(mask_shape) > n:
         return f"a mask of rank {len(mask_shape)} on scores of rank {n}"
@@ -103,9 +111,16 @@ def carry_mask(mask_shape: tuple, region: tuple, canonical: tuple) -> Union[list
         return "a symbolic size in a mask of lower rank than the scores"
     expand = [-1] * n
     tail: list = []
+    period = None
     for r, c in reversed(gs):
         ones = all(known_equal(m[i], 1) for i in r)
         full = all(known_equal(m[i], rb[i]) for i in r)
+        if periodic and not ones and not full and c == range(0, 1) and _ones_then_full(m, rb, r):
+            period = 1
+            for i in r:
+                period *= m[i]
+            tail.append(("flatten", r.start, r.stop - 1))
+            continue
         if not ones and not full:  # broadcast dims merged with others: expand them (a copy of the mask)
             for i in r:
                 if known_equal(m[i], 1):
@@ -125,4 +140,10 @@ def carry_mask(mask_shape: tuple, region: tuple, canonical: tuple) -> Union[list
             tail.append(("unflatten", r.start, sizes))
     if any(e != -1 for e in expand):
         ops.append(("expand",) + tuple(expand))
-    return ops + tail
+    return ops + tail, period
+
+
+def _ones_then_full(m: tuple, rb: tuple, r: range) -> bool:
+    """In the dims r: broadcast (size 1) ones, then full ones (int sizes), at least one of each."""
+    k = next((i for i in r if not known_equal(m[i], 1)), r.stop)
+    return (r.start < k < r.stop and all(isinstance(m[i], int) and known_equal(m[i], rb[i]) for i in range(k, r.stop)))

@@ -5,6 +5,10 @@ A new node gets the source lines of the node it replaces (`stack_trace`, `nn_mod
 report and TORCH_LOGS name them) and an `example_value` computed from its inputs' example values
 under their fake mode (Inductor and AOTAutograd read it). `NodeBuilder` inserts such nodes and can
 take them all back if building a replacement fails half way.
+
+A matcher that must read a node it would build (a mask viewed to another shape, to prove it causal)
+makes it `detached`: a node like a built one, but in no graph and among no node's users, so that
+matching leaves the graph as it is; the replacement inserts a copy (`NodeBuilder.build`).
 """
 from __future__ import annotations
 
@@ -93,10 +97,10 @@ class NodeBuilder:
         self.fake_mode = fake_mode
         self.created: list[fx.Node] = []
 
-    def sibling(self, meta_from: fx.Node) -> "NodeBuilder":
-        """A builder at the same place whose nodes carry the source lines of `meta_from` (rolled
-        back with this one)."""
-        other = NodeBuilder(self.graph, self.before, meta_from, self.fake_mode)
+    def sibling(self, meta_from: fx.Node, before: Optional[fx.Node] = None) -> "NodeBuilder":
+        """A builder whose nodes carry the source lines of `meta_from`, inserted before `before`
+        (default: where this one inserts), rolled back with this one."""
+        other = NodeBuilder(self.graph, self.before if before is None else before, meta_from, self.fake_mode)
         other.created = self.created
         return other
 
@@ -130,11 +134,42 @@ class NodeBuilder:
         new.meta = {}
         return self._finish(new)
 
+    def build(self, nodes: Iterable[fx.Node]) -> dict:
+        """Insert a copy of each detached node of `nodes`, in order, reading the copies of those
+        among its inputs: {detached node: its copy}."""
+        built: dict = {}
+        for n in nodes:
+            built[n] = self.copy(n, lambda a: built.get(a, a))
+        return built
+
     def rollback(self) -> None:
         for n in reversed(self.created):
             if not n.users:
                 self.graph.erase_node(n)
         self.created.clear()
+
+
+class _Detached(fx.Node):
+    """A node in no graph's node list, which its inputs do not count among their users."""
+
+    def _update_args_kwargs(self, args, kwargs) -> None:  # (fx.Node's adds the node to its inputs' users)
+        self._args, self._kwargs = args, kwargs
+        self._input_nodes = {}
+        fx.node.map_arg((args, kwargs), self._input_nodes.setdefault)
+
+
+_NOWHERE = fx.Graph()  # the graph a detached node names as its own (it is not in its node list)
+
+
+def detached(op: str, target, args: tuple, meta_from: fx.Node, fake_mode=None) -> fx.Node:
+    """A node reading `args` as a built one would, with the source lines of `meta_from` and its
+    example value, but in no graph: no node counts it among its users, it has none and precedes
+    nothing. A matcher reads it as it reads the graph (call_of, shape, the abstract value of a
+    mask) and changes nothing; `NodeBuilder.build` inserts a copy."""
+    node = _Detached(_NOWHERE, target if isinstance(target, str) else target.__name__, op, target, args, {})
+    copy_source_meta(node, meta_from)
+    set_example_value(node, fake_mode)
+    return node
 
 
 def precedes(a: fx.Node, b: fx.Node) -> bool:

@@ -42,6 +42,7 @@ class Report:
     graphs: int = 0
     sites: list[Site] = field(default_factory=list)
     misses: list[Miss] = field(default_factory=list)
+    left: list[Miss] = field(default_factory=list)  # matched, left to Inductor by the measured choice
     walked_subgraphs: int = 0  # higher-order ops' subgraphs rewritten (each once)
     where: str = ""  # the (sub)graph being rewritten: what replaced()/missed() record as Site.graph
 
@@ -50,6 +51,10 @@ class Report:
 
     def missed(self, kind: str, node: fx.Node, reason: str) -> None:
         self.misses.append(Miss(kind, source_of(node), reason, self.where))
+
+    def left_to_inductor(self, kind: str, node: fx.Node, reason: str) -> None:
+        """A matched site the measured choice leaves as it is (patterns/choice.py)."""
+        self.left.append(Miss(kind, source_of(node), reason, self.where))
 
     def subgraphs(self) -> dict[str, int]:
         """Fused sites per subgraph path (top level left out): what a higher-order op held."""
@@ -67,17 +72,20 @@ class Report:
         self.walked_subgraphs += other.walked_subgraphs
         self.sites += other.sites
         self.misses += other.misses
+        self.left += other.left
 
     def __str__(self) -> str:
         # A site inside a higher-order op's subgraph (checkpoint, invoke_subgraph, cond, ...) names it.
         rows = [("fused", s.kind, s.source + (f"  [in {s.graph}]" if s.graph else ""), s.detail) for s in self.sites]
+        rows += [("left", m.kind, m.source + (f"  [in {m.graph}]" if m.graph else ""), m.reason) for m in self.left]
         rows += [("not fused", m.kind, m.source + (f"  [in {m.graph}]" if m.graph else ""), m.reason) for m in self.misses]
         folded = self.count("rope_attention")
         head = (
             f"fuse_plugin: {len(self.sites) - folded} site(s) fused "
             f"({self.count('attention')} attention, {self.count('rotary')} rotary"
             + (f"; {folded} rotary q+k pair(s) folded into their attention" if folded else "")
-            + f"), {len(self.misses)} near miss(es), in {self.graphs} graph(s)"
+            + ")" + (f", {len(self.left)} left to Inductor by measurement" if self.left else "")
+            + f", {len(self.misses)} near miss(es), in {self.graphs} graph(s)"
             + (f" and {self.walked_subgraphs} subgraph(s) of higher-order ops" if self.walked_subgraphs else "")
         )
         if not rows:

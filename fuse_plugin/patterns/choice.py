@@ -1,0 +1,121 @@
+"""Which implementation takes a matched attention site: our op, or the site left to Inductor.
+
+The matcher (attention.py) finds a site; before anything is replaced, `decide` says whether our op
+takes it or the site stays as the user wrote it, for Inductor to fuse as stock compile does (its
+bmm + fused softmax + bmm). The decision is made once per site, while the graph compiles, from
+measurements: the shipped choice table (kernels/choice_table.py, `python -m fuse_plugin.tune
+--choices`) holds, per problem class (dtype, head dims, lengths, bias form, causal, dropout), the
+time of each of our kernel families and of Inductor's decomposition, forward alone (inference)
+and forward + backward (training). Our op is taken unless Inductor was measured faster for the
+site's class; where the class was not measured (and off the GPU) our op is taken, as every
+family's own rules were measured faster than the decomposition where they apply (RESULTS.md).
+
+`FUSE_PLUGIN_SITE_CHOICE` (settings.site_choice): "ours" takes every site (CI's CPU tests),
+"inductor" none.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import settings
+from ..kernels import choice_table
+from .attention_bias import BiasTerm, MaskFill
+from .canon import example_value, shape
+
+
+@dataclass
+class Decision:
+    ours: bool  # our op takes the site (else it is left to Inductor)
+    reason: str  # for explain / TORCH_LOGS; "" where there is nothing to say
+
+
+def _hint(n) -> int:
+    if isinstance(n, torch.SymInt):
+        return int(n.node.hint) if n.node.has_hint() else 0
+    return int(n)
+
+
+def _bias_form(site) -> str:
+    """The class's bias name (choice_table.bias_form) for the site's mask parts."""
+    parts = site.bias_parts
+    if not parts:
+        return "none"
+    if site.period is not None:
+        return "periodic"
+    if all(isinstance(p, MaskFill) and p.value == float("-inf") for p in parts):
+        return "bool"
+    if all(_over_keys(p) for p in parts):
+        return "keys"
+    return "float"
+
+
+def _over_keys(part) -> bool:
+    """A part constant over the queries and heads (a padding mask): shape (B | 1, 1, 1, Lk)."""
+    node = part.node if isinstance(part, BiasTerm) else part.mask
+    s = shape(node)
+    return s is not None and len(s) >= 2 and all(_hint(d) == 1 for d in s[-2:-1]) and \
+        (len(s) < 3 or _hint(s[-3]) == 1)
+
+
+def _training(site) -> bool:
+    """Does anything the op would read need a gradient?"""
+    nodes = [site.q.node, site.k.node, site.v.node] + [
+        p.node for p in site.bias_parts if isinstance(p, BiasTerm)]
+    for n in nodes:
+        v = example_value(n)
+        if isinstance(v, torch.Tensor) and v.requires_grad:
+            return True
+    return False
+
+
+def class_of(site) -> tuple[Optional[str], str, torch.device]:
+    """(the site's class key, "fwd" or "train", its device)."""
+    qv, kv, vv = site.q.value(), site.k.value(), site.v.value()
+    while qv.dim() < 4:
+        qv, kv, vv = qv.unsqueeze(0), kv.unsqueeze(0), vv.unsqueeze(0)
+    key = choice_table.class_key(qv.dtype, _hint(qv.shape[-1]), _hint(vv.shape[-1]), _hint(qv.shape[-2]),
+                                 _hint(kv.shape[-2]), _bias_form(site), site.is_causal, bool(site.dropout_p))
+    return key, "train" if _training(site) else "fwd", qv.device
+
+
+def ours_time(times: dict, mode: str) -> Optional[tuple[float, str]]:
+    """(microseconds, families) of our op for a class: the forward's fastest family, and in
+    training plus the backward's fastest (the launchers choose each direction on its own)."""
+    fwd, bwd = times.get("fwd", {}), times.get("bwd", {})
+    if not fwd or (mode == "train" and not bwd):
+        return None
+    f_name = min(fwd, key=fwd.get)
+    if mode == "fwd":
+        return fwd[f_name], f_name
+    b_name = min(bwd, key=bwd.get)
+    return fwd[f_name] + bwd[b_name], f"{f_name} + {b_name}"
+
+
+def decide(site) -> Decision:
+    """Our op or Inductor for a matched site (module doc)."""
+    how = settings.site_choice()
+    if how == "ours":
+        return Decision(True, "")
+    if how == "inductor":
+        return Decision(False, f"left to Inductor ({settings.SITE_CHOICE}=inductor)")
+    key, mode, device = class_of(site)
+    return decide_from(choice_table.lookup(device, key), mode, key)
+
+
+def decide_from(times: Optional[dict], mode: str, key: Optional[str]) -> Decision:
+    """The decision for a class measured as ``times`` (choice_table.lookup; None: not measured)
+    in ``mode`` ("fwd": inference, "train")."""
+    inductor = (times or {}).get(choice_table.INDUCTOR, {}).get(mode)
+    ours = ours_time(times, mode) if times else None
+    if inductor is None or ours is None:
+        return Decision(True, "")
+    us, families = ours
+    where = f"{mode}, {key}"
+    if inductor < us:
+        return Decision(False, f"left to Inductor: measured {us / inductor:.2f}x faster "
+                               f"({inductor:.1f} vs {us:.1f} us for {families}; {where})")
+    return Decision(True, f"measured {inductor / us:.2f}x faster than Inductor ({families} {us:.1f} vs "
+                          f"{inductor:.1f} us; {where})")
