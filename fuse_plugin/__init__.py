@@ -6,8 +6,20 @@ Three ways in:
                                                     # by `import fuse_plugin` where there is none)
   import fuse_plugin; torch.compile(model)          # automatic patch (FUSE_PLUGIN_AUTOPATCH=0 opts out)
   fuse_plugin.explain(model, *inputs)               # what would be fused, and why not
+
+The ops: fuse_plugin.attention, apply_rotary, apply_rotary_qk (api.py), torch.ops.fuse_plugin.*.
+Switches (environment variables): settings.py.
 """
 from __future__ import annotations
+
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # torch warns when it is imported without numpy installed ("Failed to initialize NumPy"; its
+    # tensor <-> ndarray conversions need it). Nothing here uses numpy, so an install without it
+    # is complete: imported through us, torch's import stays quiet about it.
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch as _torch  # noqa: F401
 
 from . import ops  # noqa: F401  (registers torch.ops.fuse_plugin.*)
 from .api import apply_rotary, apply_rotary_qk, attention

@@ -46,12 +46,29 @@ def attention(
 ) -> Tensor:
     """softmax(q·kᵀ·scale + mask [causal]) · v, like `F.scaled_dot_product_attention`.
 
-    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), Hq a multiple of Hkv (GQA without
-    repeating k/v); D, Dv ≤ 256. attn_mask: bool (True = attend) or additive float, broadcastable to
-    (B, Hq, Lq, Lk); it may be combined with is_causal (top-left aligned, as SDPA). scale defaults
-    to 1/sqrt(D). dropout_p > 0 drops attention weights inside the kernel (a mask drawn from torch's
-    RNG, so `torch.manual_seed` repeats it; applied in training and eval alike, as SDPA does).
-    Returns (B, Hq, Lq, Dv) in q's dtype."""
+    Runs the Triton kernels on CUDA (the CPU reference elsewhere) and has a backward for every
+    floating-point input (q, k, v and an additive mask). GQA is native: k/v are never repeated.
+
+    Args:
+        q: (B, Hq, Lq, D), float16 / bfloat16 / float32 / float64; D ≤ 256.
+        k: (B, Hkv, Lk, D), q's dtype and device; Hq a multiple of Hkv (GQA / MQA).
+        v: (B, Hkv, Lk, Dv), q's dtype and device; Dv ≤ 256 (may differ from D).
+        attn_mask: None, or broadcastable to (B, Hq, Lq, Lk): bool (True = attend) or an additive
+            float bias (its gradient is returned too). May be combined with ``is_causal``.
+        dropout_p: in [0, 1): attention weights dropped inside the kernels, by a mask drawn from
+            torch's RNG (``torch.manual_seed`` repeats it); applied in training and eval alike, as
+            SDPA does.
+        is_causal: key j visible to query i iff j ≤ i, top-left aligned as SDPA's (also when
+            Lq ≠ Lk: a KV-cache decode step needs an explicit mask).
+        scale: the factor of q·kᵀ; None: 1/sqrt(D).
+
+    Returns:
+        out (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv) in memory like SDPA's
+        flash/cuDNN outputs, so ``out.transpose(1, 2).reshape(B, Lq, Hq * Dv)`` is a view.
+
+    Raises:
+        TypeError / ValueError naming the argument, for shapes, dtypes or devices that do not fit.
+    """
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t, 4, "(B, H, L, D)")
     _check_same(("q", "k", "v"), (q, k, v), "dtype")
@@ -136,18 +153,39 @@ def _check_tables(xs: tuple[tuple[str, Tensor], ...], cos: Tensor, sin: Tensor, 
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, rotary_dim: int | None = None) -> Tensor:
-    """Rotary embedding of x's last dim: `x·cos + rotate(x)·sin` on the first rotary_dim channels.
+    """Rotary embedding of x's last dim: ``x·cos + rotate(x)·sin`` on its first rotary_dim channels.
 
-    x (..., D), any layout; cos/sin broadcast against x like the eager expression `x * cos` (so
-    for x (B, L, H, D) pass cos (L, 1, W)). W = rotary_dim (full width, HF tables) or rotary_dim / 2
-    (half width, flash-attn tables); rotary_dim defaults to D for full-width tables, 2·W otherwise.
-    interleaved=False rotates halves (NeoX/HF `rotate_half`); True rotates adjacent pairs (GPT-J).
-    Channels past rotary_dim pass through. Output dtype = promote(x, cos, sin), as eager."""
+    Args:
+        x: (..., D), any float dtype and memory layout (e.g. HF's (B, H, L, D) or flash-attn's
+            (B, L, H, D)).
+        cos, sin: (..., W), the same shape, broadcasting against x like the eager ``x * cos``
+            (for x (B, L, H, D) pass (L, 1, W)); W = rotary_dim (full-width tables, HF) or
+            rotary_dim / 2 (half width, flash-attn).
+        interleaved: False rotates halves (NeoX / HF ``rotate_half``); True rotates adjacent pairs
+            (GPT-J).
+        rotary_dim: how many leading channels rotate (even, ≤ D); None: D for full-width tables,
+            2·W for half-width ones. Channels past it pass through.
+
+    Returns:
+        x's shape, dtype promote(x, cos, sin) as eager; dense, its dims in x's memory order where x
+        has a unit last stride (HF's transposed q/k stay (B, L, H, D) in memory), else contiguous.
+    """
     rd = _check_tables((("x", x),), cos, sin, interleaved, rotary_dim)
     return _rotary_op.rotary(x, cos, sin, interleaved, rd)
 
 
 def apply_rotary_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, rotary_dim: int | None = None) -> tuple[Tensor, Tensor]:
-    """`apply_rotary` of q and of k (their head counts may differ) in one kernel launch."""
+    """``apply_rotary`` of q and of k in one kernel launch (cos/sin read once per position).
+
+    Args:
+        q: (..., D), e.g. (B, Hq, L, D).
+        k: (..., D), e.g. (B, Hkv, L, D): its head count may differ from q's (GQA), its head dim
+            may not.
+        cos, sin, interleaved, rotary_dim: as for ``apply_rotary``; the tables broadcast against
+            both q and k.
+
+    Returns:
+        (q_rot, k_rot): each of its input's shape and layout, dtype promote(x, cos, sin).
+    """
     rd = _check_tables((("q", q), ("k", k)), cos, sin, interleaved, rotary_dim)
     return _rotary_op.rotary_qk(q, k, cos, sin, interleaved, rd)

@@ -27,8 +27,21 @@ def fuse_plugin_attention_forward(
     position_bias: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Same contract as transformers' `sdpa_attention_forward`: q (B, Hq, L, D), k/v (B, Hkv, S, D)
-    un-repeated (our op does GQA natively); returns (B, L, Hq, Dv) and no weights."""
+    """Same contract as transformers' ``sdpa_attention_forward`` (what ``register_hf`` registers).
+
+    Args:
+        module: the attention module (its ``training`` and ``is_causal`` are read).
+        query: (B, Hq, L, D); key, value: (B, Hkv, S, D) and (B, Hkv, S, Dv), un-repeated (the op
+            does GQA natively).
+        attention_mask: None, or HF's 4-D mask (B or 1, 1, L, ≥ S), bool (True = attend) or
+            additive float; a bool mask becomes finfo.min fills as HF's eager path masks.
+        dropout: applied only while ``module.training``. scaling: the factor of q·kᵀ (None:
+            1/sqrt(D)). is_causal: None reads ``module.is_causal``; used only without a mask.
+        position_bias: T5's additive bias, added to the mask.
+
+    Returns:
+        (out, None): out (B, L, Hq, Dv) contiguous, and no attention weights.
+    """
     if kwargs.get("softcap") is not None:
         raise ValueError("attn_implementation='fuse_plugin' does not support softcap")
     q_len, kv_len = query.shape[2], key.shape[2]
@@ -55,7 +68,22 @@ def fuse_plugin_attention_forward(
 
 
 def register_hf() -> None:
-    """Register `attn_implementation="fuse_plugin"` with transformers (needs transformers ≥ 5)."""
+    """Register ``attn_implementation="fuse_plugin"`` with transformers (needs transformers ≥ 5).
+
+    After it, ``AutoModel*.from_pretrained(..., attn_implementation="fuse_plugin")`` (or
+    ``model.set_attn_implementation("fuse_plugin")``) runs every attention of an HF model through
+    ``fuse_plugin.attention`` without compiling, with SDPA's mask builder (a causal model without
+    padding passes no mask and runs ``is_causal``). Idempotent.
+
+    Args: none.
+
+    Returns:
+        None. Shapes at each call: q (B, Hq, L, D), k/v (B, Hkv, S, D) in, (B, L, Hq, Dv) out
+        (``fuse_plugin_attention_forward``).
+
+    Raises:
+        ImportError: transformers ≥ 5 is not installed.
+    """
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask

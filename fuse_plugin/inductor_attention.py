@@ -14,11 +14,11 @@ in `_Gate`, which refuses the match while the compile is ours (`owns_attention`)
 Inductor's own check otherwise: stock compiles (no plugin, or inside `fuse_plugin.disabled()`) keep
 Inductor's behaviour. The entries are registered lazily, per device, right before the joint-graph
 passes run, so the wrapping happens in our `joint_custom_pre_pass` (it runs after that lazy init and
-before the patterns), installed by the automatic patch and by the backend.
+before the patterns), installed by the automatic patch and by the backend. This module imports
+passes.py (our pre-grad pass) and nothing of autopatch.py or backend.py, which import it.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from torch import fx
@@ -26,6 +26,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import settings
+from .passes import FusePluginPass, chained_uuid, get_custom_graph_passes, source_hash
 
 _SFDP_MODULE = "torch._inductor.fx_passes.fuse_attention"
 
@@ -34,8 +35,6 @@ def owns_attention() -> bool:
     """Is the compile in progress ours? Both entry points compile with our pre-grad pass set in
     Inductor's config (the automatic patch globally, the backend through config_patches), and the
     rewrite is on (not inside `fuse_plugin.disabled()`). Read at match time, inside the compile."""
-    from .autopatch import FusePluginPass
-
     return settings.rewrite_enabled() and isinstance(inductor_config.pre_grad_custom_pass, FusePluginPass)
 
 
@@ -101,19 +100,9 @@ class AttentionGatePass(CustomGraphPass):
         self.chained = chained
 
     def __call__(self, graph: fx.Graph) -> None:
-        from .autopatch import get_custom_graph_passes
-
         gate_inductor_attention()
         for p in get_custom_graph_passes(self.chained):
             p(graph)
 
     def uuid(self) -> Any:
-        from .autopatch import _source_hash, get_custom_graph_passes
-
-        parts = [_source_hash(), "attention-gate"]
-        for p in get_custom_graph_passes(self.chained):
-            u = p.uuid() if hasattr(p, "uuid") else None
-            if u is None:
-                return None
-            parts.append(repr(u))
-        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+        return chained_uuid([source_hash(), "attention-gate"], self.chained)

@@ -1,11 +1,167 @@
-"""Switches of the rewrite, per thread (part of the FX-graph-cache key, see autopatch.uuid)."""
+"""Every switch of the plugin, read and parsed here and nowhere else.
+
+Environment switches. Each is read when it is used (at compile time unless said), so a change takes
+effect at the next compile; Inductor's caches key compiled graphs on ``key()`` below.
+
+| switch | values (default first) | what it does | read by |
+|---|---|---|---|
+| FUSE_PLUGIN_AUTOPATCH | on, off | plain ``torch.compile`` rewrites once ``fuse_plugin`` is imported (read once, at the import) | autopatch.install_from_env |
+| FUSE_PLUGIN_INDUCTOR_LAUNCH | on, off | off: every op stays one opaque call in compiled graphs (for comparisons and debugging) | ops/inductor.py |
+| FUSE_PLUGIN_ROPE_ATTENTION | off, on | on: rotary q+k pairs feeding only an attention fold into it (``rope_attention``; slower on an H100, benchmarks/RESULTS.md) | patterns/__init__.py |
+| FUSE_PLUGIN_CPU_KERNELS | reference, triton | CPU tensors run the plain-torch reference, or the Triton kernels in Triton's interpreter (needs ``TRITON_INTERPRET=1``; CI) | ops/_dispatch.py (at run time) |
+| FUSE_PLUGIN_ATTENTION_TABLE | (shipped), a path, off | the launch-config (tiles) table: the shipped one, another JSON file, or none (heuristic tiles) | kernels/tuning.py |
+| FUSE_PLUGIN_CHOICE_TABLE | (shipped), a path, off | the measured times the kernel families and the site choice read: shipped, another file, or none | kernels/choice_table.py |
+| FUSE_PLUGIN_ATTENTION_FAMILY | auto, a family name | every attention call runs this kernel family (kernels/registry.py names them); auto: chosen per problem | kernels/registry.py |
+| FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor | a matched attention site: our op unless measured slower than stock Inductor (auto), always ours, or never | patterns/choice.py |
+
+Booleans take ``1 true on yes`` and ``0 false off no``, in any case; choices take their listed
+values in any case; surrounding blanks are ignored and an unset or blank switch has its default.
+Any other value raises a ValueError that names the switch and its values.
+
+Switches of the tests and the tuner (never read by a compile or an op; booleans and choices parsed
+as above where they go through ``boolean`` / ``choice``):
+
+| switch | values | what it does |
+|---|---|---|
+| FUSE_PLUGIN_STOCK_CASES | off, on | tests/test_stock_attention_cases.py: also re-derive which cases stock Inductor fuses (slow) |
+| FUSE_PLUGIN_FUZZ | an int (80 in tests/test_fuzz.py, 500 in tests/fuzz_attention.py) | how many differential fuzz cases |
+| FUSE_PLUGIN_FUZZ_SEED | an int (0) | the first fuzz seed |
+| FUSE_PLUGIN_FUZZ_BACKEND | aot_eager, inductor | the backend the fuzz cases compile with |
+| FUSE_PLUGIN_SPELLING_FUZZ | an int (16) | tests/test_spellings.py: how many random spellings |
+| FUSE_PLUGIN_DIST_BACKEND | rewrite_aot_eager, fuse_plugin | tests/test_distributed.py: the rewrite + AOTAutograd, or the real backend |
+| FUSE_TUNE_DEVICE | cuda, cpu | ``python -m fuse_plugin.tune``: cpu is an interpreter dry run (tests) |
+
+Per thread, not in the environment: ``fuse_plugin.disabled()`` (no rewrite while it is active).
+"""
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
+from typing import Optional
 
 _state = threading.local()
+
+AUTOPATCH = "FUSE_PLUGIN_AUTOPATCH"
+INDUCTOR_LAUNCH = "FUSE_PLUGIN_INDUCTOR_LAUNCH"
+ROPE_ATTENTION = "FUSE_PLUGIN_ROPE_ATTENTION"
+CPU_KERNELS = "FUSE_PLUGIN_CPU_KERNELS"
+ATTENTION_TABLE = "FUSE_PLUGIN_ATTENTION_TABLE"
+CHOICE_TABLE = "FUSE_PLUGIN_CHOICE_TABLE"
+ATTENTION_FAMILY = "FUSE_PLUGIN_ATTENTION_FAMILY"
+SITE_CHOICE = "FUSE_PLUGIN_SITE_CHOICE"
+
+TRUE = ("1", "true", "on", "yes")
+FALSE = ("0", "false", "off", "no")
+
+
+# ------------------------------------------------------------------------------------------------
+# Parsers: one way for every switch
+# ------------------------------------------------------------------------------------------------
+
+
+def _raw(env: str) -> Optional[str]:
+    """The switch's value without surrounding blanks; None when unset or blank."""
+    value = os.environ.get(env)
+    if value is None or not value.strip():
+        return None
+    return value.strip()
+
+
+def boolean(env: str, default: bool) -> bool:
+    """The boolean switch ``env`` (module docstring: spellings); ``default`` when unset or blank."""
+    value = _raw(env)
+    if value is None:
+        return default
+    if value.lower() in TRUE:
+        return True
+    if value.lower() in FALSE:
+        return False
+    raise ValueError(f"{env} must be one of {', '.join(TRUE + FALSE)} (any case), got {value!r}")
+
+
+def choice(env: str, allowed: tuple, default: str) -> str:
+    """The value of switch ``env`` (case ignored), one of ``allowed``; ``default`` when unset or
+    blank. Anything else is an error that names the switch and its values."""
+    value = _raw(env)
+    if value is None:
+        return default
+    if value.lower() not in allowed:
+        raise ValueError(f"{env} must be one of {', '.join(allowed)}, got {value!r}")
+    return value.lower()
+
+
+def _table(env: str) -> Optional[str]:
+    """A table switch: None for the shipped table (unset or blank), "off" (any case) for none,
+    else the path as given."""
+    value = _raw(env)
+    if value is not None and value.lower() == "off":
+        return "off"
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# The switches
+# ------------------------------------------------------------------------------------------------
+
+
+def autopatch() -> bool:
+    """Install the automatic patch at ``import fuse_plugin``? (``FUSE_PLUGIN_AUTOPATCH``, default on.)"""
+    return boolean(AUTOPATCH, True)
+
+
+def inductor_launch() -> bool:
+    """Do the ops decompose into their kernel launches in compiled graphs (ops/inductor.py)?
+    (``FUSE_PLUGIN_INDUCTOR_LAUNCH``, default on.)"""
+    return boolean(INDUCTOR_LAUNCH, True)
+
+
+def rope_attention_enabled() -> bool:
+    """Fold rotary q+k pairs into their attention (`rope_attention`)? Off unless
+    `FUSE_PLUGIN_ROPE_ATTENTION` is on: on the H100 the folded kernels are slower than rotary_qk +
+    attention (benchmarks/RESULTS.md, "Rope folded into attention"), so the unfused pair is the
+    default."""
+    return boolean(ROPE_ATTENTION, False)
+
+
+def cpu_kernels() -> str:
+    """What CPU tensors run (``FUSE_PLUGIN_CPU_KERNELS``): "reference" (default, plain torch) or
+    "triton" (the kernels in Triton's interpreter; ops/_dispatch.py checks TRITON_INTERPRET)."""
+    return choice(CPU_KERNELS, ("reference", "triton"), "reference")
+
+
+def attention_table() -> Optional[str]:
+    """The launch-config table (``FUSE_PLUGIN_ATTENTION_TABLE``): None for the shipped one, "off"
+    for none (heuristic tiles), else a JSON path (kernels/tuning.py)."""
+    return _table(ATTENTION_TABLE)
+
+
+def choice_table() -> Optional[str]:
+    """The measured-choice table (``FUSE_PLUGIN_CHOICE_TABLE``): None for the shipped one, "off"
+    for none, else a JSON path (kernels/choice_table.py)."""
+    return _table(CHOICE_TABLE)
+
+
+def attention_family() -> Optional[str]:
+    """A kernel family every attention call runs (`FUSE_PLUGIN_ATTENTION_FAMILY`: one of
+    kernels.registry.NAMES, e.g. "general", checked there; "auto", the default: chosen per
+    problem). A call the family cannot run raises an error that lists every family's reason."""
+    value = _raw(ATTENTION_FAMILY)
+    value = "auto" if value is None else value.lower()
+    return None if value == "auto" else value
+
+
+def site_choice() -> str:
+    """What the rewrite does with a matched attention site (`FUSE_PLUGIN_SITE_CHOICE`): "auto"
+    (the default: our op, unless measured slower than leaving the site to Inductor,
+    patterns/choice.py), "ours" (always our op) or "inductor" (never: every site left as it is,
+    reported)."""
+    return choice(SITE_CHOICE, ("auto", "ours", "inductor"), "auto")
+
+
+# ------------------------------------------------------------------------------------------------
+# Per thread
+# ------------------------------------------------------------------------------------------------
 
 
 def rewrite_enabled() -> bool:
@@ -23,16 +179,12 @@ def disabled():
         _state.disabled -= 1
 
 
-def rope_attention_enabled() -> bool:
-    """Fold rotary q+k pairs into their attention (`rope_attention`)? Off unless
-    `FUSE_PLUGIN_ROPE_ATTENTION=1`: on the H100 the folded kernel still runs about 2x slower than
-    rotary_qk + attention (benchmarks/RESULTS.md), so the unfused pair is the default."""
-    return os.environ.get("FUSE_PLUGIN_ROPE_ATTENTION", "0") == "1"
-
-
 def key() -> str:
-    """What of the settings changes the compiled graph: the rewrite's switches, whether the ops
-    decompose into their launches (ops/inductor.py) and the launch-config table they read."""
+    """What of the settings changes the compiled graph (part of the FX-graph-cache key, see
+    autopatch.FusePluginPass.uuid): the rewrite's switches, whether the ops decompose into their
+    launches (ops/inductor.py), the launch-config and choice tables they read and the kernel
+    family they are held to. Not here: AUTOPATCH (read once, at import) and CPU_KERNELS (run time;
+    a CPU op stays one opaque call in the graph)."""
     return (f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()},"
-            f"inductor_launch={os.environ.get('FUSE_PLUGIN_INDUCTOR_LAUNCH', '1')},"
-            f"table={os.environ.get('FUSE_PLUGIN_ATTENTION_TABLE', '')}")
+            f"inductor_launch={inductor_launch()},table={attention_table()},"
+            f"choices={choice_table()},family={attention_family()},site={site_choice()}")

@@ -130,6 +130,32 @@ def test_env_opt_out_before_import():
     assert r.stdout.strip() == "False"
 
 
+# An install without numpy, simulated: the import system finds no numpy module; warnings are errors.
+_NO_NUMPY = """
+import importlib.machinery, sys, warnings
+_find = importlib.machinery.PathFinder.find_spec.__func__
+def find_spec(cls, name, path=None, target=None):
+    if name == "numpy" or name.startswith("numpy."):
+        return None
+    return _find(cls, name, path, target)
+importlib.machinery.PathFinder.find_spec = classmethod(find_spec)
+warnings.simplefilter("error")
+import MODULE
+print("numpy" in sys.modules)
+"""
+
+
+def test_import_without_numpy_does_not_warn():
+    """torch warns at its import when numpy is missing ("Failed to initialize NumPy": the near miss,
+    which also shows the simulation takes numpy away); `import fuse_plugin`, which imports torch, does
+    not warn (nothing of the plugin uses numpy)."""
+    torch_alone = run_python(_NO_NUMPY.replace("MODULE", "torch"))
+    assert torch_alone.returncode != 0 and "Failed to initialize NumPy" in torch_alone.stderr
+    r = run_python(_NO_NUMPY.replace("MODULE", "fuse_plugin"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
 def test_explain_lists_sites_and_near_misses_with_source_lines():
     def model(q, k, v):
         fused = attn(q, k, v)

@@ -46,7 +46,6 @@ row masked everywhere eager mixes filled and added scores, which the op then com
 """
 import functools
 import math
-import os
 import re
 
 import pytest
@@ -60,6 +59,7 @@ import torch._functorch.config
 import torch._inductor.config
 
 import fuse_plugin
+from fuse_plugin import settings
 
 B, H, L, D = 2, 2, 8, 16
 DROPOUT_P = 0.3
@@ -548,7 +548,7 @@ def test_stock_list_names_known_cases():
     assert {name for name, _ in STOCK_FUSES} <= set(CASES)
 
 
-@pytest.mark.skipif(os.environ.get("FUSE_PLUGIN_STOCK_CASES") != "1",
+@pytest.mark.skipif(not settings.boolean("FUSE_PLUGIN_STOCK_CASES", False),
                     reason="slow (stock Inductor compiles every case): set FUSE_PLUGIN_STOCK_CASES=1")
 def test_plugin_fuses_what_stock_fuses():
     """Re-derives STOCK_FUSES from stock Inductor and checks the plugin fuses each of those cases."""
