@@ -8,10 +8,15 @@ With ``--rounds 0`` it only compiles and warms up every cell: a few such process
 parallel over disjoint ``--rows`` fill Inductor's and Triton's caches, so that the timed run
 after them compiles from the caches (stop 15's table: RESULTS.md).
 
-Rows (bf16; throughput = tokens/s, images/s for the ViT):
+Rows (bf16 unless the row says otherwise; throughput = tokens/s, images/s for the ViT):
   llama train 8x512, 4x2048, 1x8192 and infer 1x128, 8x512, 4x2048, 1x8192: transformers
       LlamaForCausalLM from benchmarks/e2e.py's config (hidden 1024, 16/4 heads, head dim 64,
       intermediate 4096, vocab 32000; ``--layers`` layers, 12 by default);
+  llama-infer-fp32-8x512: the same Llama loaded in float32 (the dtype HF models load in by
+      default), no autocast, inference (fp32 matmuls as torch's defaults leave them: no TF32);
+  llama-train-amp-8x512: float32 weights trained under ``torch.autocast("cuda",
+      dtype=torch.bfloat16)`` as a user writes it: forward and loss under autocast, backward and
+      the fused AdamW step (on the fp32 weights) outside; every variant alike (PRECISION below);
   vit infer / train: ViT-S/16 (224 px: 197 tokens, 6 heads of 64, batch 64): timm's
       vit_small_patch16_224 when timm is installed (its fused attention off for the eager and
       plugin variants, on for sdpa), else a plain-torch model of the same shape written like
@@ -65,6 +70,14 @@ ROWS = {
     "vit-infer-64": ("vit", "infer", 64, 197),
     "vit-train-64": ("vit", "train", 64, 197),
     "bert-train-32x128": ("bert", "train", 32, 128),
+    "llama-infer-fp32-8x512": ("llama", "infer", 8, 512),
+    "llama-train-amp-8x512": ("llama", "train", 8, 512),
+}
+# row name -> "fp32" (float32 weights) or "amp" (float32 weights, forward and loss under bf16
+# autocast); rows not named here are "bf16" (bf16 weights). Every variant of a row gets the same.
+PRECISION = {
+    "llama-infer-fp32-8x512": "fp32",
+    "llama-train-amp-8x512": "amp",
 }
 
 
@@ -73,7 +86,7 @@ ROWS = {
 # --------------------------------------------------------------------------------------------
 
 
-def llama(attn: str, layers: int):
+def llama(attn: str, layers: int, dtype=torch.bfloat16):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096,
@@ -81,15 +94,15 @@ def llama(attn: str, layers: int):
                       max_position_embeddings=16384)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn,
-                                            dtype=torch.bfloat16).cuda()
+                                            dtype=dtype).cuda()
 
 
-def bert(attn: str, layers: int):
+def bert(attn: str, layers: int, dtype=torch.bfloat16):
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
     model = BertForMaskedLM._from_config(BertConfig(), attn_implementation=attn)
-    return model.to(device="cuda", dtype=torch.bfloat16)
+    return model.to(device="cuda", dtype=dtype)
 
 
 class _VitAttention(nn.Module):
@@ -143,7 +156,7 @@ class PlainViT(nn.Module):
         return self.head(self.norm(self.blocks(x))[:, 0])
 
 
-def vit(attn: str, layers: int):
+def vit(attn: str, layers: int, dtype=torch.bfloat16):
     fused = attn == "sdpa"
     torch.manual_seed(0)
     try:
@@ -157,7 +170,7 @@ def vit(attn: str, layers: int):
     except ImportError:
         model = PlainViT(fused)
         vit.source = "plain-torch ViT-S/16 (timm not installed)"
-    return model.to(device="cuda", dtype=torch.bfloat16)
+    return model.to(device="cuda", dtype=dtype)
 
 
 FAMILIES = {"llama": llama, "bert": bert, "vit": vit}
@@ -186,13 +199,20 @@ def logits_of(out):
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def make_step(fn, kind, inputs, labels, opt, cudagraphs):
+def make_step(fn, kind, inputs, labels, opt, cudagraphs, precision="bf16"):
+    """A step: inference under no_grad, or forward, loss, backward, optimizer step. With
+    precision "amp" the forward and the loss run under bf16 autocast, the rest outside."""
+    def autocast():
+        return (torch.autocast("cuda", dtype=torch.bfloat16) if precision == "amp"
+                else contextlib.nullcontext())
+
     def forward():
         if cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        if "x" in inputs:
-            return logits_of(fn(inputs["x"]))
-        return logits_of(fn(**inputs))
+        with autocast():
+            if "x" in inputs:
+                return logits_of(fn(inputs["x"]))
+            return logits_of(fn(**inputs))
 
     if kind == "infer":
         def step():
@@ -202,7 +222,8 @@ def make_step(fn, kind, inputs, labels, opt, cudagraphs):
 
     def step():
         logits = forward()
-        loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
+        with autocast():
+            loss = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -230,10 +251,11 @@ def _variant_context(variant):
     return fuse_plugin.disabled() if variant != "plugin" else contextlib.nullcontext()
 
 
-def build(family, variant, mode, layers):
-    """One model of `family` for `variant` (its own weights, seeded alike) and its compiled forward."""
+def build(family, variant, mode, layers, precision="bf16"):
+    """One model of `family` for `variant` (its own weights, seeded alike) and its compiled forward;
+    bf16 weights, or float32 for precision "fp32" and "amp"."""
     attn = "sdpa" if variant == "sdpa+compile" else "eager"
-    model = FAMILIES[family](attn, layers)
+    model = FAMILIES[family](attn, layers, torch.bfloat16 if precision == "bf16" else torch.float32)
     kwargs = dict(mode=None if mode == "default" else mode, dynamic=False)
     if variant == "plugin":
         fn = torch.compile(model, backend="fuse_plugin", **kwargs)
@@ -300,14 +322,15 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
     in turn, so that the host's drift over minutes falls on all variants alike. A cell is the
     median (and the best) of its variant's rounds."""
     family, kind, batch, seq = ROWS[name]
+    precision = PRECISION.get(name, "bf16")
     items = batch if family == "vit" else batch * seq
     inputs, labels = make_batch(family, batch, seq)
     steps_of, times, t0 = {}, {v: [] for v in variants}, time.perf_counter()
     for variant in variants:
         try:
-            model, fn, opt = build(family, variant, mode, layers)
+            model, fn, opt = build(family, variant, mode, layers, precision)
             model.train(kind == "train")
-            step = make_step(fn, kind, inputs, labels, opt, mode == "reduce-overhead")
+            step = make_step(fn, kind, inputs, labels, opt, mode == "reduce-overhead", precision)
             with _variant_context(variant):
                 for _ in range(3):  # compile, warm-up (CUDA graphs record on the 2nd/3rd call)
                     step()
@@ -380,8 +403,9 @@ def main(argv=None):
         parser.error(f"unknown rows {unknown}; known: {list(ROWS)}")
     modes, variants = args.modes.split(","), args.variants.split(",")
     header = (f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers "
-              f"{transformers.__version__} | {time.strftime('%Y-%m-%d')} | bf16 | Llama "
-              f"{args.layers} layers | median (best) of {args.rounds} interleaved runs of {args.steps} steps")
+              f"{transformers.__version__} | {time.strftime('%Y-%m-%d')} | bf16 (rows -fp32-: "
+              f"fp32, -amp-: fp32 weights + bf16 autocast) | Llama {args.layers} layers | median (best) of "
+              f"{args.rounds} interleaved runs of {args.steps} steps")
     print(header, flush=True)
     results = {}
     t_start = time.perf_counter()
