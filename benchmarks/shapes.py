@@ -1,7 +1,8 @@
 """Whole models at the shapes real workloads run: the plugin against stock compile and sdpa + compile.
 
     python benchmarks/shapes.py [--layers 12] [--rows ROW,...] [--modes default,reduce-overhead]
-                                [--variants compile,sdpa+compile,plugin] [--steps 10] [--rounds 5]
+                                [--variants compile,sdpa+compile,plugin[,plugin-sdpa]] [--steps 10]
+                                [--rounds 5]
                                 [--out FILE.md] [--profile N]
 
 With ``--rounds 0`` it only compiles and warms up every cell: a few such processes run in
@@ -25,7 +26,10 @@ Rows (bf16 unless the row says otherwise; throughput = tokens/s, images/s for th
       mask (lengths 96-128) as real batches have.
 Variants: ``compile`` = eager attention + stock torch.compile (the plugin kept off while it
 compiles); ``sdpa+compile`` = the model's SDPA path + stock torch.compile; ``plugin`` = eager
-attention + torch.compile(backend="fuse_plugin"). Modes: default, reduce-overhead (CUDA graphs).
+attention + torch.compile(backend="fuse_plugin"); ``plugin-sdpa`` (not run unless named) = the
+model's SDPA path + torch.compile(backend="fuse_plugin"), the plugin on a model's default attention
+(its SDPA calls go to our op where measured faster), compared with sdpa+compile in a column of its
+own. Modes: default, reduce-overhead (CUDA graphs).
 A training step is forward, cross-entropy, backward and a fused AdamW step; inference a forward
 under no_grad. Each row and mode runs in one go: every variant gets its own model and compile
 (3 warm-up steps), then ``--rounds`` rounds in which the variants take turns, each running
@@ -57,6 +61,10 @@ from torch import nn
 import fuse_plugin
 
 VARIANTS = ("compile", "sdpa+compile", "plugin")
+# plugin-sdpa (--variants ...,plugin-sdpa): the model on its default SDPA attention compiled with the
+# plugin (`import fuse_plugin; torch.compile(model)`: its SDPA calls go to our op where measured
+# faster, patterns/sdpa.py), against sdpa+compile, the same model compiled stock.
+ALL_VARIANTS = VARIANTS + ("plugin-sdpa",)
 MODES = ("default", "reduce-overhead")
 # row name -> (family, kind, batch, seq)
 ROWS = {
@@ -248,16 +256,16 @@ def _timed_run(step, steps: int) -> float:
 
 
 def _variant_context(variant):
-    return fuse_plugin.disabled() if variant != "plugin" else contextlib.nullcontext()
+    return fuse_plugin.disabled() if not variant.startswith("plugin") else contextlib.nullcontext()
 
 
 def build(family, variant, mode, layers, precision="bf16"):
     """One model of `family` for `variant` (its own weights, seeded alike) and its compiled forward;
     bf16 weights, or float32 for precision "fp32" and "amp"."""
-    attn = "sdpa" if variant == "sdpa+compile" else "eager"
+    attn = "sdpa" if variant in ("sdpa+compile", "plugin-sdpa") else "eager"
     model = FAMILIES[family](attn, layers, torch.bfloat16 if precision == "bf16" else torch.float32)
     kwargs = dict(mode=None if mode == "default" else mode, dynamic=False)
-    if variant == "plugin":
+    if variant.startswith("plugin"):
         fn = torch.compile(model, backend="fuse_plugin", **kwargs)
     else:
         fn = torch.compile(model, **kwargs)
@@ -366,17 +374,23 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
 
 def table(results, rows, modes, variants) -> list[str]:
     """Cells: median of the interleaved rounds (best in brackets); the ratio is of the medians."""
-    lines = ["| row | mode | " + " | ".join(variants) + " | plugin / best other |",
-             "|---|---|" + "---|" * (len(variants) + 1)]
+    sdpa = "plugin-sdpa" in variants and "sdpa+compile" in variants
+    lines = ["| row | mode | " + " | ".join(variants) + " | plugin / best other |"
+             + (" plugin-sdpa / sdpa+compile |" if sdpa else ""),
+             "|---|---|" + "---|" * (len(variants) + 1 + sdpa)]
     for name in rows:
         for mode in modes:
             vals = {v: results.get((name, mode, v)) for v in variants}
             cells = [f"{vals[v]:.0f} ({results[(name, mode, v, 'best')]:.0f})" if isinstance(vals[v], float)
                      else str(vals[v]) for v in variants]
-            others = [x for v, x in vals.items() if v != "plugin" and isinstance(x, float)]
+            others = [x for v, x in vals.items() if not v.startswith("plugin") and isinstance(x, float)]
             ratio = (f"{vals['plugin'] / max(others):.2f}"
                      if isinstance(vals.get("plugin"), float) and others else "-")
-            lines.append(f"| {name} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+            line = f"| {name} | {mode} | " + " | ".join(cells) + f" | {ratio} |"
+            if sdpa:
+                a, b = vals.get("plugin-sdpa"), vals.get("sdpa+compile")
+                line += f" {a / b:.2f} |" if isinstance(a, float) and isinstance(b, float) else " - |"
+            lines.append(line)
     return lines
 
 
@@ -402,6 +416,8 @@ def main(argv=None):
     if unknown:
         parser.error(f"unknown rows {unknown}; known: {list(ROWS)}")
     modes, variants = args.modes.split(","), args.variants.split(",")
+    if any(v not in ALL_VARIANTS for v in variants):
+        parser.error(f"unknown variants in {variants}; known: {list(ALL_VARIANTS)}")
     header = (f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers "
               f"{transformers.__version__} | {time.strftime('%Y-%m-%d')} | bf16 (rows -fp32-: "
               f"fp32, -amp-: fp32 weights + bf16 autocast) | Llama {args.layers} layers | median (best) of "

@@ -12,7 +12,8 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_ATTENTION_TABLE | (shipped), a path, off | the launch-config (tiles) table: the shipped one, another JSON file, or none (heuristic tiles) | kernels/tuning.py |
 | FUSE_PLUGIN_CHOICE_TABLE | (shipped), a path, off | the measured times the kernel families and the site choice read: shipped, another file, or none | kernels/choice_table.py |
 | FUSE_PLUGIN_ATTENTION_FAMILY | auto, a family name | every attention call runs this kernel family (kernels/registry.py names them); auto: chosen per problem | kernels/registry.py |
-| FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor | a matched attention site: our op unless measured slower than stock Inductor (auto), always ours, or never | patterns/choice.py |
+| FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor | a matched site: our op unless measured slower than the alternative — stock Inductor for a hand-written one, SDPA itself for an SDPA call — (auto), always ours, or never | patterns/choice.py |
+| FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
 
 Booleans take ``1 true on yes`` and ``0 false off no``, in any case; choices take their listed
 values in any case; surrounding blanks are ignored and an unset or blank switch has its default.
@@ -50,6 +51,7 @@ ATTENTION_TABLE = "FUSE_PLUGIN_ATTENTION_TABLE"
 CHOICE_TABLE = "FUSE_PLUGIN_CHOICE_TABLE"
 ATTENTION_FAMILY = "FUSE_PLUGIN_ATTENTION_FAMILY"
 SITE_CHOICE = "FUSE_PLUGIN_SITE_CHOICE"
+SDPA_SITES = "FUSE_PLUGIN_SDPA_SITES"
 
 TRUE = ("1", "true", "on", "yes")
 FALSE = ("0", "false", "off", "no")
@@ -159,6 +161,12 @@ def site_choice() -> str:
     return choice(SITE_CHOICE, ("auto", "ours", "inductor"), "auto")
 
 
+def sdpa_sites() -> bool:
+    """Read `F.scaled_dot_product_attention` calls as attention sites (`FUSE_PLUGIN_SDPA_SITES`,
+    default on; patterns/sdpa.py)? Off: they stay as they are and are not reported."""
+    return boolean(SDPA_SITES, True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Per thread
 # ------------------------------------------------------------------------------------------------
@@ -187,4 +195,5 @@ def key() -> str:
     a CPU op stays one opaque call in the graph)."""
     return (f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()},"
             f"inductor_launch={inductor_launch()},table={attention_table()},"
-            f"choices={choice_table()},family={attention_family()},site={site_choice()}")
+            f"choices={choice_table()},family={attention_family()},site={site_choice()},"
+            f"sdpa={sdpa_sites()}")

@@ -15,7 +15,10 @@ kernel table meet, at the shape they meet them), on random inputs of that shape:
   ``AGREE``), and a family that disagrees is left out of the table and reported;
 * "inductor": the site's decomposition as models write it (q·kᵀ·scale, the bias or mask, softmax,
   dropout, ·v; k/v repeated for GQA), compiled by stock ``torch.compile``, forward under no_grad
-  and forward + backward, timed the same way.
+  and forward + backward, timed the same way;
+* "sdpa": ``F.scaled_dot_product_attention`` on the same problem (``enable_gqa`` for GQA, the
+  bias as its ``attn_mask``; the backend torch picks), forward and forward + backward: what an
+  SDPA call site runs when it is left as it is (patterns/sdpa.py weighs our op against it).
 
 Writes kernels/attention_choices_sm<cc>.json (or ``--out``), replacing this GPU name's entries and
 keeping other GPUs'; see kernels/choice_table.py for the format and how the entries are read.
@@ -59,6 +62,8 @@ CLASSES = {
     "pvt-s1": Case((64, 1, 1, 3136, 49, 32, 32), "none", seen="PVTv2-b0 stage 1 (spatial reduction)"),
     "pvt-s3": Case((64, 5, 5, 196, 49, 32, 32), "none", seen="PVTv2-b0 stage 3"),
     "class-attn": Case((64, 4, 4, 1, 197, 48, 48), "none", seen="CaiT / XCiT class attention"),
+    "llama-2k": Case((4, 16, 4, 2048, 2048, 64, 64), "none", causal=True, seen="Llama 4x2048 (shapes table)"),
+    "llama-8k": Case((1, 16, 4, 8192, 8192, 64, 64), "none", causal=True, seen="e2e Llama 1x8192"),
     "bert": Case((32, 12, 12, 128, 128, 64, 64), "keys", dropout=0.1, seen="BERT-base training"),
     "bert-nodrop": Case((32, 12, 12, 128, 128, 64, 64), "keys", seen="BERT-base inference"),
 }
@@ -205,6 +210,7 @@ def measure_class(name: str, case: Case, log, timed: bool = True, device: str = 
                         entry.setdefault("small", {})[direction] = list(cfg)
     _check_agreement(name, results, entry, bool(case.dropout), log)
     entry["inductor"] = inductor_times(case, scale, q, k, v, bias, mask, learned, timed)
+    entry["sdpa"] = sdpa_times(case, scale, q, k, v, op_bias(case, bias, mask), learned, timed)
     return entry
 
 
@@ -250,6 +256,33 @@ def inductor_times(case, scale, q, k, v, bias, mask, learned, timed: bool = True
 
         out["train"] = round(bench(step), 2)
     return out
+
+
+def sdpa_times(case, scale, q, k, v, bias, learned, timed: bool = True) -> dict:
+    """F.scaled_dot_product_attention on the class's problem: forward (no_grad) and forward +
+    backward, in microseconds; {} where SDPA takes no such problem. A window-periodic bias is
+    given materialised (B, H, Lq, Lk), as timm's fused path builds it."""
+    import torch
+    import torch.nn.functional as F
+
+    from .ops.attention import whole_bias
+
+    if bias is not None and case.bias == "periodic":
+        bias = whole_bias(bias, q, k)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    b = None if bias is None else bias.detach().requires_grad_(learned)
+    kw = dict(attn_mask=b, dropout_p=case.dropout, is_causal=case.causal, scale=scale,
+              enable_gqa=q.shape[1] != k.shape[1])
+    bench = device_us if timed else (lambda fn: (fn(), 0.0)[1])
+    dout = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], device=q.device, dtype=q.dtype)
+    grads_of = leaves + ([b] if learned else [])
+    try:
+        with torch.no_grad():
+            fwd = bench(lambda: F.scaled_dot_product_attention(*leaves, **kw))
+        train = bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(*leaves, **kw), grads_of, dout))
+    except RuntimeError:  # (no backend takes it)
+        return {}
+    return {"fwd": round(fwd, 2), "train": round(train, 2)}
 
 
 def main(args) -> int:
@@ -298,15 +331,19 @@ def main(args) -> int:
 
 
 def summary(entries: dict) -> str:
-    """One line per class: fastest forward, backward, Inductor's, and the rewrite's decision."""
-    rows = ["class | fwd best (us) | bwd best (us) | inductor fwd / train (us) | infer / train: ours vs inductor"]
+    """One line per class: fastest forward, backward, Inductor's and SDPA's, and the speed of ours
+    over each (inference / training)."""
+    rows = ["class | fwd best (us) | bwd best (us) | inductor fwd / train (us) | infer / train: ours vs inductor"
+            " | sdpa fwd / train (us) | ours vs sdpa"]
     for key, e in entries.items():
-        f, b, ind = e.get("fwd", {}), e.get("bwd", {}), e.get("inductor", {})
+        f, b, ind, sd = e.get("fwd", {}), e.get("bwd", {}), e.get("inductor", {}), e.get("sdpa", {})
         fb = min(f, key=f.get) if f else None
         bb = min(b, key=b.get) if b else None
         ours_f = f[fb] if fb else math.inf
         ours_t = ours_f + (b[bb] if bb else math.inf)
         rows.append(f"{e.get('name', key)} | {fb} {ours_f:.1f} | {bb} {b.get(bb, math.inf):.1f} | "
                     f"{ind.get('fwd', math.nan):.1f} / {ind.get('train', math.nan):.1f} | "
-                    f"{ind.get('fwd', math.nan) / ours_f:.2f}x / {ind.get('train', math.nan) / ours_t:.2f}x")
+                    f"{ind.get('fwd', math.nan) / ours_f:.2f}x / {ind.get('train', math.nan) / ours_t:.2f}x | "
+                    f"{sd.get('fwd', math.nan):.1f} / {sd.get('train', math.nan):.1f} | "
+                    f"{sd.get('fwd', math.nan) / ours_f:.2f}x / {sd.get('train', math.nan) / ours_t:.2f}x")
     return "\n".join(rows)

@@ -14,6 +14,13 @@
   an additive 0-or-v tensor; values -inf, finfo.min, -1e9, -1e4 (additive ones: -inf and
   finfo.min only, see below);
 * dtypes float32 (float64 in one case of six); shapes with Lq != Lk, Lq = 1 or Lk = 1, GQA;
+* SDPA call sites (product "sdpa", one case in five of the 4-D ones): the masks drawn above built
+  into one `attn_mask` (bool where every mask is a -inf keep mask, else float: the fills and
+  terms applied to zeros, added to the scores by SDPA), or `is_causal=True` for a lone causal
+  mask; `scale=` given or None, or folded into q (and k) with `scale=1`; GQA by `enable_gqa`,
+  repeat_interleave or repeat_kv. Eager is SDPA's math backend (rows masked everywhere give 0;
+  the CPU flash kernel's backward zeroes a float64 row biased by finfo.min everywhere, which its
+  forward and the math give uniform weights); the rewrite runs with FUSE_PLUGIN_SITE_CHOICE=ours;
 * mutants, which are not attention and must be left alone (0 fused sites in the rewrite's
   report): softmax over dim -2, weights changed before the product with v (scaled, squared,
   flipped, shifted), weights or scores also used elsewhere, a fill with 0 (not a mask value), a
@@ -68,12 +75,12 @@ class Case:
     d: int
     dv: int
     layout: str  # bhld | blhd | merged
-    product: str  # matmul | mT | permute | einsum | bmm
+    product: str  # matmul | mT | permute | einsum | bmm | sdpa
     scale: str  # none | mul | div | q | qk
     masks: list
     softmax: str  # F | method | torch | f32
     dropout: str  # none | eval
-    gqa: str  # none | repeat_interleave | repeat_kv
+    gqa: str  # none | repeat_interleave | repeat_kv | enable_gqa (sdpa)
     pv: str  # matmul | einsum | bmm
     variant: str = "none"  # a mutant, a positive extra, or none
 
@@ -118,7 +125,7 @@ def make_case(seed: int) -> Case:
             masks.append(MaskStep(r.choice(kinds[1:2]), "fill", -math.inf))  # the mutant changes a bool mask's use
     elif u < 0.15:
         variant = r.choice(POSITIVE_EXTRAS)
-    return Case(
+    case = Case(
         seed=seed, dtype=torch.float64 if r.random() < 1 / 6 else torch.float32,
         b=r.choice([1, 2]), h=h, hkv=hkv, lq=lq, lk=lk, d=r.choice([16, 32]), dv=r.choice([16, 24]),
         layout=layout, product="bmm" if merged else r.choice(["matmul", "mT", "permute", "einsum"]),
@@ -126,6 +133,13 @@ def make_case(seed: int) -> Case:
         softmax=r.choice(["F", "method", "torch", "f32"]), dropout=r.choice(["none", "none", "eval"]),
         gqa=gqa, pv="bmm" if merged else r.choice(["matmul", "matmul", "einsum"]), variant=variant,
     )
+    # one case in five of the 4-D ones an SDPA call site (no further draw: the other cases stay as
+    # they were drawn before SDPA sites were fuzzed)
+    if not merged and not case.mutant and seed % 5 == 1:
+        case.product = "sdpa"
+        if gqa != "none" and seed % 10 == 1:
+            case.gqa = "enable_gqa"
+    return case
 
 
 # ------------------------------------------------------------------------------------------ module
@@ -184,18 +198,67 @@ class FuzzModule(nn.Module):
             return torch.where(keep, x, value)
         return x + torch.zeros(keep.shape, dtype=x.dtype, device=x.device).masked_fill(~keep, value)
 
+    def _repeat(self, k, v):
+        """k and v repeated over the query heads of their GQA group (repeat_interleave or repeat_kv)."""
+        c = self.case
+        n = c.h // c.hkv
+        if c.gqa == "repeat_interleave":
+            return k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
+        b, hk, lk, _ = k.shape
+        return (k[:, :, None].expand(b, hk, n, lk, k.shape[-1]).reshape(b, hk * n, lk, k.shape[-1]),
+                v[:, :, None].expand(b, hk, n, lk, v.shape[-1]).reshape(b, hk * n, lk, v.shape[-1]))
+
+    def _sdpa_mask(self, q, k, pad_keep, rand_keep):
+        """The drawn masks as SDPA's one attn_mask (module doc), and is_causal."""
+        c = self.case
+        if [m.kind for m in c.masks] == ["causal"] and c.masks[0].value == -math.inf and c.seed % 2:
+            return None, True
+        if not c.masks:
+            return None, False
+        lq, lk = q.shape[-2], k.shape[-2]
+        biases = iter(self.biases)
+        if all(m.kind != "bias" and m.value == -math.inf and m.spelling != "add" for m in c.masks):
+            keep = torch.ones(lq, lk, dtype=torch.bool)
+            for m in c.masks:
+                if m.kind == "causal":
+                    keep = keep & torch.ones(lq, lk, dtype=torch.bool).tril()
+                else:
+                    keep = keep & (pad_keep if m.kind == "pad" else rand_keep)
+            return keep, False
+        x = torch.zeros(lq, lk, dtype=q.dtype)
+        for m in c.masks:
+            x = self._mask(x, m, pad_keep, rand_keep, next(biases) if m.kind == "bias" else None)
+        return x, False
+
+    def _sdpa(self, q, k, v, pad_keep, rand_keep):
+        c = self.case
+        s = 1.0 / math.sqrt(c.d)
+        scale = {"none": None, "mul": s, "div": s}.get(c.scale, 1.0)
+        if c.scale == "q":
+            q = q * s
+        elif c.scale == "qk":
+            q, k = q * math.sqrt(s), k * math.sqrt(s)
+        mask, causal = self._sdpa_mask(q, k, pad_keep, rand_keep)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=c.gqa == "enable_gqa")
+
     def forward(self, q, k, v, pad_keep, rand_keep):
         c = self.case
         if c.layout == "blhd":
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if c.product == "sdpa":
+            if c.gqa in ("repeat_interleave", "repeat_kv"):
+                k, v = self._repeat(k, v)
+            out = self._sdpa(q, k, v, pad_keep, rand_keep)
+            if c.layout == "blhd":
+                out = out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+            if c.variant == "v_used":
+                return out, v.sum(-2)
+            if c.variant == "q_used":
+                return out, q.mean(-1)
+            return out
         if c.gqa != "none":
-            n = c.h // c.hkv
-            if c.gqa == "repeat_interleave":
-                k, v = k.repeat_interleave(n, 1), v.repeat_interleave(n, 1)
-            else:
-                b, hk, lk, _ = k.shape
-                k = k[:, :, None].expand(b, hk, n, lk, k.shape[-1]).reshape(b, hk * n, lk, k.shape[-1])
-                v = v[:, :, None].expand(b, hk, n, lk, v.shape[-1]).reshape(b, hk * n, lk, v.shape[-1])
+            k, v = self._repeat(k, v)
         s = 1.0 / math.sqrt(c.d)
         if c.scale == "q":
             q = q * s
@@ -329,11 +392,20 @@ def run_case(case: Case) -> Result:
     inputs = list(make_inputs(case))
     ours_in, safe_in = _clone_inputs(inputs), _clone_inputs(inputs)
     torch._dynamo.reset()
-    ref = eager(*inputs)
-    out = torch.compile(ours_m, backend=backend)(*ours_in)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):  # SDPA cases: its exact math (the CPU flash kernel's backward
+        ref = eager(*inputs)  # drops float64 rows biased by finfo.min, which its forward keeps)
+    old = os.environ.get("FUSE_PLUGIN_SITE_CHOICE")
+    os.environ["FUSE_PLUGIN_SITE_CHOICE"] = "ours"  # every SDPA call to our op (nothing measured here)
+    try:
+        out = torch.compile(ours_m, backend=backend)(*ours_in)
+    finally:
+        os.environ.pop("FUSE_PLUGIN_SITE_CHOICE") if old is None else os.environ.update(FUSE_PLUGIN_SITE_CHOICE=old)
     safe = safe_m(*safe_in)
     refs, outs, safes = (x if isinstance(x, tuple) else (x,) for x in (ref, out, safe))
-    res = Result(case, report.count("attention"), [m.reason for m in report.misses if m.kind == "attention"])
+    kinds = ("attention", "sdpa")
+    res = Result(case, sum(report.count(k) for k in kinds), [m.reason for m in report.misses if m.kind in kinds])
     # float64 to 1e-10, unless eager's softmax runs in float32 (softmax(dtype=float32))
     tol_out, tol_grad = (1e-10, 1e-9) if case.dtype == torch.float64 and case.softmax != "f32" else (1e-5, 1e-4)
     floor = 0.1  # RMS of an output or gradient counted as at least this (float32: absolute 1e-5 near 0)

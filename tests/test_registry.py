@@ -131,7 +131,7 @@ def test_sites_left_to_inductor_give_eager_numbers(monkeypatch, site_choice, fus
     report = fuse_plugin.explain(model, q, k, v)
     assert len(report.left) == left and report.count("attention") == fused
     if left:
-        assert "left to Inductor by measurement" in str(report)
+        assert "left as they are by measurement" in str(report)
         assert "left      attention" in str(report) or "\nleft " in str(report)
         assert report.left[0].reason == "left to Inductor (FUSE_PLUGIN_SITE_CHOICE=inductor)"
 

@@ -539,8 +539,10 @@ fused: scale=0.25, bias: float mask""")
 7 getitem(#5, 1)
 8 isneginf(#7)
 9 unsqueeze(#8, -1)
-10 where(#9, 0, #6)
-11 output (#10)
+10 isnan(#6)
+11 and_(#9, #10)
+12 where(#11, 0, #6)
+13 output (#12)
 --- report ---
 fused: scale=0.25, bias: bool mask, _safe_softmax: rows masked everywhere give 0""")
 

@@ -28,10 +28,11 @@ def test_a_class_is_measured_like_on_the_gpu(tiny):
     assert set(entry["bwd"]) == {"small", "general", "two_kernel"}
     assert all(t > 0 for t in list(entry["fwd"].values()) + list(entry["bwd"].values()))
     assert set(entry["inductor"]) == {"fwd", "train"} and min(entry["inductor"].values()) > 0
+    assert set(entry["sdpa"]) == {"fwd", "train"} and min(entry["sdpa"].values()) > 0
     assert len(entry["small"]["fwd"]) == 3 and entry["small"]["fwd"][0] in (1, 4)
     assert not [r for r in logged if "error" in r or "disagrees" in r], logged
     line = tune_choices.summary({"k": dict(entry, name="tiny")}).splitlines()[1]
-    assert line.startswith("tiny | ") and line.count("|") == 4
+    assert line.startswith("tiny | ") and line.count("|") == 6
 
 
 def test_a_family_that_disagrees_is_left_out(tiny, monkeypatch):
@@ -40,9 +41,9 @@ def test_a_family_that_disagrees_is_left_out(tiny, monkeypatch):
 
     real = attention_small.forward
 
-    def wrong(q, k, v, bias, *, out, lse, **kw):
-        real(q, k, v, bias, out=out, lse=lse, **kw)
-        out.zero_()
+    def wrong(q, k, v, bias, **kw):
+        real(q, k, v, bias, **kw)
+        (kw.get("out") if kw.get("out") is not None else kw["out_buf"]).zero_()
 
     monkeypatch.setattr(attention_small, "forward", wrong)
     logged = []

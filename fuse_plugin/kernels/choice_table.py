@@ -12,13 +12,16 @@ capability), written by ``python -m fuse_plugin.tune --choices`` (tune.py). An e
 
     "<class key>": {"shape": [B, Hq, Hkv, Lq, Lk, D, Dv],
                     "fwd": {"<family>": us}, "bwd": {"<family>": us},
-                    "inductor": {"fwd": us, "train": us}, "source": "measured <date>",
+                    "inductor": {"fwd": us, "train": us}, "sdpa": {"fwd": us, "train": us},
+                    "source": "measured <date>",
                     "small": {"fwd": [units per program, warps, stages], "bwd": [...]}}
 
 "fwd" / "bwd": each of our families that can run the class, forward and backward (the latter with
 the gradient of a float bias where the class has one: "periodic", "float"); "inductor": the
 site's decomposition compiled by stock Inductor, forward alone (inference) and forward +
-backward (training). Device times (CUDA graphs), median. "small": the small family's config
+backward (training); "sdpa": `F.scaled_dot_product_attention` on the class's problem, the backend
+torch picks (what an SDPA call site runs when it is left as it is), likewise. Device times (CUDA
+graphs), median. "small": the small family's config
 measured fastest (attention_small.SmallConfig), which it then runs the class with. The class key
 (``class_key``)
 is ``dtype|d<D>|dv<Dv>|q<Lq>|k<Lk>|<bias>|<causal>|<dropout>``: D and Dv rounded up to a power of
@@ -43,9 +46,10 @@ from .launch import hint
 
 FORMAT = 1
 ENV = "FUSE_PLUGIN_CHOICE_TABLE"
-MAX_CLASS_LEN = 512  # Lq / Lk buckets above this are one ("long")
+MAX_CLASS_LEN = 16384  # Lq / Lk buckets (powers of two) above this are one ("long")
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 INDUCTOR = "inductor"
+SDPA = "sdpa"
 
 
 def _len_bucket(n: int) -> str:
@@ -110,7 +114,8 @@ def clear_cache() -> None:
 
 def lookup(device: torch.device, key: Optional[str]) -> Optional[dict]:
     """The entry measured for the class ``key`` on ``device`` ({"fwd": {family: us}, "bwd":
-    {family: us}, "inductor": {"fwd": us, "train": us}}, each part possibly empty), or None."""
+    {family: us}, "inductor" / "sdpa": {"fwd": us, "train": us}, "small": {...}}, each part
+    possibly empty), or None."""
     if key is None or device.type != "cuda":
         return None
     index = device.index if device.index is not None else 0
@@ -118,11 +123,11 @@ def lookup(device: torch.device, key: Optional[str]) -> Optional[dict]:
     if not isinstance(entry, dict):
         return None
     out = {"small": entry.get("small") if isinstance(entry.get("small"), dict) else {}}
-    for part in ("fwd", "bwd", INDUCTOR):
+    for part in ("fwd", "bwd", INDUCTOR, SDPA):
         times = entry.get(part)
         out[part] = {k: float(v) for k, v in times.items() if isinstance(v, (int, float)) and v > 0} \
             if isinstance(times, dict) else {}
-    return out if any(out[p] for p in ("fwd", "bwd", INDUCTOR)) else None
+    return out if any(out[p] for p in ("fwd", "bwd", INDUCTOR, SDPA)) else None
 
 
 def key_of_call(call) -> Optional[str]:

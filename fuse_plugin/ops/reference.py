@@ -152,13 +152,15 @@ def attention_backward(
     none from the replaced scores)."""
     p, lse, t = attention_probs(q, k, bias, is_causal, scale, softcap, with_tanh=True,
                                 replace=replace)  # (B, Hkv, G, Lq, Lk)
+    dead = p.isnan().all(-1, keepdim=True)  # (not lse == -inf: lse also overflows there for a float64
+    # row biased by float64's finfo.min, whose weights are uniform)
     ct = p.dtype
     g = q.shape[1] // k.shape[1]
     # A row whose every score is -inf (lse = -inf) has NaN weights in the forward, as eager. In the
     # backward it contributes nothing, as in the kernels: its dS row is 0, so its dq row is 0 and it
     # adds nothing to dk, dv or dbias. (Eager's masked_fill(-inf) also gives dq 0 and a finite dk
     # there, the fill's backward dropping the NaN; its dv is NaN everywhere, which we do not copy.)
-    p = p.masked_fill(_grouped((lse == float("-inf")).unsqueeze(-1), g), 0.0)
+    p = p.masked_fill(dead, 0.0)
     do = _grouped(dout.to(ct), g)
     vv = v.to(ct).unsqueeze(2)
     # With dropout, out = P' v with P' = mask * P / (1 - p): dv = P'^T dO, dP = mask * dP' / (1 - p).

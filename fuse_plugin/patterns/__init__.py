@@ -8,7 +8,8 @@ a rotary q+k pair that feeds only an attention is folded into it (`rope_attentio
     mha.py             nn.MultiheadAttention (one F.multi_head_attention_forward node) → projections + attention
     batch_views.py     views of the scores' batch dims between q·kᵀ and the softmax; masks carried across them
     attention.py       the attention recogniser (q·kᵀ, the chain to the softmax, w·v, GQA; replace)
-    choice.py          our op or the site left to Inductor, from the measured choice table
+    sdpa.py            F.scaled_dot_product_attention calls read as attention sites (our op where measured faster)
+    choice.py          our op or the site left as it is (to Inductor / as SDPA), from the measured choice table
     rope_attention.py  rotary_qk → attention becomes one rope_attention (rotation in the kernel)
     attention_bias.py  the scale and masks of the scores → scale, is_causal, one bias (+ replace mask)
     causal_mask.py     abstract interpreter over mask-building nodes: proves a mask causal
@@ -41,11 +42,11 @@ def rewrite(gm: fx.GraphModule) -> Report:
     """Rewrite `gm` and every subgraph its higher-order ops hold (see `subgraphs`), in place."""
     report = Report(graphs=1)
     _rewrite_tree(gm, report, "", set())
-    for kind in ("attention", "rotary", "rope_attention"):
+    for kind in ("attention", "sdpa", "rotary", "rope_attention"):
         if report.count(kind):
             counters["fuse_plugin"][kind] += report.count(kind)
-    if report.left:
-        counters["fuse_plugin"]["attention_left"] += len(report.left)
+    for m in report.left:
+        counters["fuse_plugin"][f"{m.kind}_left"] += 1
     for s in report.sites:
         log.info("fused %s at %s%s: %s", s.kind, s.source, f" [in {s.graph}]" if s.graph else "", s.detail)
     for m in report.left:
@@ -56,12 +57,13 @@ def rewrite(gm: fx.GraphModule) -> Report:
 
 
 def _rewrite_graph(gm: fx.GraphModule, report: Report) -> None:
-    from . import attention, mha, rope_attention, rotary  # the pattern modules import the ops
+    from . import attention, mha, rope_attention, rotary, sdpa  # the pattern modules import the ops
 
     fused = len(report.sites)
     mha.rewrite(gm, report)  # nn.MultiheadAttention: one node in Dynamo's graph (patterns/mha.py)
     rotary.rewrite(gm, report)
     attention.rewrite(gm, report)
+    sdpa.rewrite(gm, report)
     if settings.rope_attention_enabled():
         rope_attention.rewrite(gm, report)
     if len(report.sites) > fused:

@@ -1175,9 +1175,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
                         **extra)
         out = b.function(operator.getitem, op, 0)
-        if site.safe:  # _safe_softmax: 0 in the rows whose every score is -inf (the op's lse is -inf there)
-            empty = b.method("unsqueeze", b.function(torch.isneginf, b.function(operator.getitem, op, 1)), -1)
-            out = b.function(torch.where, empty, 0.0, out)
+        if site.safe:  # _safe_softmax / SDPA: 0 in the rows whose every score is -inf
+            out = _zero_dead_rows(b, op, out)
         for _ in range(4 - site.rank):
             out = b.method("squeeze", out, 0)
         for m, *a in site.out_ops:
@@ -1221,6 +1220,17 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         parts.append("_safe_softmax: rows masked everywhere give 0")
     parts += site.notes
     return ", ".join(parts)
+
+
+def _zero_dead_rows(b: NodeBuilder, op: fx.Node, out: fx.Node) -> fx.Node:
+    """``out`` with 0 where a row's every score is -inf (what `_safe_softmax` and SDPA give; the op
+    gives NaN there, eager softmax's value): the rows whose lse is -inf and whose output is NaN.
+    Not lse alone: the fp32 lse of a float64 row biased by float64's finfo.min is -inf too, while
+    the row is not masked (its weights are uniform, its output finite)."""
+    lse = b.function(operator.getitem, op, 1)
+    dead = b.function(operator.and_, b.method("unsqueeze", b.function(torch.isneginf, lse), -1),
+                      b.function(torch.isnan, out))
+    return b.function(torch.where, dead, 0.0, out)
 
 
 def _build_carried(b: NodeBuilder, site: AttentionSite) -> list:
@@ -1271,7 +1281,7 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
                 continue
             decision = choice.decide(site)
             if not decision.ours:
-                report.left_to_inductor(KIND, sm, decision.reason)
+                report.left_as_is(KIND, sm, decision.reason)
                 continue
             detail = replace(gm, site, ctx)
             report.replaced(KIND, sm, detail + (f"; {decision.reason}" if decision.reason else ""))

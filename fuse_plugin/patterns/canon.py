@@ -83,6 +83,9 @@ SIGNATURES: dict[str, tuple[tuple[str, Any], ...]] = {
     "triu": (("input", _NO_DEFAULT), ("diagonal", 0)),
     "bool": (("input", _NO_DEFAULT),),
     "tanh": (("input", _NO_DEFAULT),),
+    # F.scaled_dot_product_attention (patterns/sdpa.py)
+    "sdpa": (("query", _NO_DEFAULT), ("key", _NO_DEFAULT), ("value", _NO_DEFAULT), ("attn_mask", None),
+             ("dropout_p", 0.0), ("is_causal", False), ("scale", None), ("enable_gqa", False)),
 }
 
 # call_function targets whose canonical name is not simply their __name__.
@@ -110,6 +113,8 @@ _FUNCTION_NAMES: dict[Callable, str] = {
     torch._safe_softmax: "safe_softmax",
     torch.ops.aten._safe_softmax.default: "safe_softmax",
     torch.ops.aten._safe_softmax: "safe_softmax",
+    torch._C._nn.scaled_dot_product_attention: "sdpa",
+    F.scaled_dot_product_attention: "sdpa",
 }
 # Method spellings that are another name for a canonical op.
 _METHOD_ALIASES = {"__matmul__": "matmul", "__mul__": "mul", "__truediv__": "div", "__add__": "add",

@@ -1,4 +1,4 @@
-"""Which implementation takes a matched attention site: our op, or the site left to Inductor.
+"""Which implementation takes a matched attention site: our op, or the site left as it is.
 
 The matcher (attention.py) finds a site; before anything is replaced, `decide` says whether our op
 takes it or the site stays as the user wrote it, for Inductor to fuse as stock compile does (its
@@ -9,6 +9,9 @@ time of each of our kernel families and of Inductor's decomposition, forward alo
 and forward + backward (training). Our op is taken unless Inductor was measured faster for the
 site's class; where the class was not measured (and off the GPU) our op is taken, as every
 family's own rules were measured faster than the decomposition where they apply (RESULTS.md).
+
+An SDPA call site (patterns/sdpa.py) is weighed against SDPA itself (`decide_sdpa`): it becomes our
+op only where that was measured faster for its class, and stays SDPA where nothing was measured.
 
 `FUSE_PLUGIN_SITE_CHOICE` (settings.site_choice): "ours" takes every site (CI's CPU tests),
 "inductor" none.
@@ -106,16 +109,44 @@ def decide(site) -> Decision:
 
 
 def decide_from(times: Optional[dict], mode: str, key: Optional[str]) -> Decision:
-    """The decision for a class measured as ``times`` (choice_table.lookup; None: not measured)
-    in ``mode`` ("fwd": inference, "train")."""
+    """The decision for a hand-written site of a class measured as ``times``
+    (choice_table.lookup; None: not measured) in ``mode`` ("fwd": inference, "train"): our op
+    unless Inductor was measured faster."""
     inductor = (times or {}).get(choice_table.INDUCTOR, {}).get(mode)
     ours = ours_time(times, mode) if times else None
     if inductor is None or ours is None:
         return Decision(True, "")
+    return _versus(ours, inductor, "Inductor", mode, key)
+
+
+def decide_sdpa(site) -> Decision:
+    """Our op or SDPA for an SDPA call site (patterns/sdpa.py): our op only where it was measured
+    faster than SDPA for the site's class; else the call stays as it is."""
+    how = settings.site_choice()
+    if how == "ours":
+        return Decision(True, "")
+    if how == "inductor":
+        return Decision(False, f"left as SDPA ({settings.SITE_CHOICE}=inductor)")
+    key, mode, device = class_of(site)
+    return decide_sdpa_from(choice_table.lookup(device, key), mode, key)
+
+
+def decide_sdpa_from(times: Optional[dict], mode: str, key: Optional[str]) -> Decision:
+    """The decision for an SDPA call site of a class measured as ``times`` in ``mode``."""
+    sdpa = (times or {}).get(choice_table.SDPA, {}).get(mode)
+    ours = ours_time(times, mode) if times else None
+    if sdpa is None or ours is None:
+        return Decision(False, f"left as SDPA: our op is not measured against it for this class ({mode}, {key})")
+    return _versus(ours, sdpa, "SDPA", mode, key)
+
+
+def _versus(ours: tuple, other: float, name: str, mode: str, key: Optional[str]) -> Decision:
+    """Our op against the measured alternative ``name`` (Inductor, SDPA): the faster one."""
     us, families = ours
     where = f"{mode}, {key}"
-    if inductor < us:
-        return Decision(False, f"left to Inductor: measured {us / inductor:.2f}x faster "
-                               f"({inductor:.1f} vs {us:.1f} us for {families}; {where})")
-    return Decision(True, f"measured {inductor / us:.2f}x faster than Inductor ({families} {us:.1f} vs "
-                          f"{inductor:.1f} us; {where})")
+    if other < us:
+        left = "left to Inductor" if name == "Inductor" else "left as SDPA"
+        return Decision(False, f"{left}: measured {us / other:.2f}x faster ({other:.1f} vs {us:.1f} us "
+                               f"for {families}; {where})")
+    return Decision(True, f"measured {other / us:.2f}x faster than {name} ({families} {us:.1f} vs "
+                          f"{other:.1f} us; {where})")

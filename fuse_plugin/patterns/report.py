@@ -21,7 +21,7 @@ def source_of(node: fx.Node) -> str:
 class Site:
     """A subgraph replaced by one of our ops."""
 
-    kind: str  # "attention" | "rotary" | "rope_attention" (a rotary q+k pair folded into an attention)
+    kind: str  # "attention" | "sdpa" (an SDPA call) | "rotary" | "rope_attention" (a rotary q+k pair folded into an attention)
     source: str
     detail: str = ""
     graph: str = ""  # "" at top level, else the subgraph's path, e.g. "wrap_body_0 (tag_activation_checkpoint)"
@@ -42,7 +42,7 @@ class Report:
     graphs: int = 0
     sites: list[Site] = field(default_factory=list)
     misses: list[Miss] = field(default_factory=list)
-    left: list[Miss] = field(default_factory=list)  # matched, left to Inductor by the measured choice
+    left: list[Miss] = field(default_factory=list)  # matched, left as they are by the measured choice
     walked_subgraphs: int = 0  # higher-order ops' subgraphs rewritten (each once)
     where: str = ""  # the (sub)graph being rewritten: what replaced()/missed() record as Site.graph
 
@@ -52,8 +52,9 @@ class Report:
     def missed(self, kind: str, node: fx.Node, reason: str) -> None:
         self.misses.append(Miss(kind, source_of(node), reason, self.where))
 
-    def left_to_inductor(self, kind: str, node: fx.Node, reason: str) -> None:
-        """A matched site the measured choice leaves as it is (patterns/choice.py)."""
+    def left_as_is(self, kind: str, node: fx.Node, reason: str) -> None:
+        """A matched site the measured choice leaves as it is (patterns/choice.py): to Inductor
+        (a hand-written attention) or as SDPA (an SDPA call)."""
         self.left.append(Miss(kind, source_of(node), reason, self.where))
 
     def subgraphs(self) -> dict[str, int]:
@@ -82,9 +83,11 @@ class Report:
         folded = self.count("rope_attention")
         head = (
             f"fuse_plugin: {len(self.sites) - folded} site(s) fused "
-            f"({self.count('attention')} attention, {self.count('rotary')} rotary"
+            f"({self.count('attention')} attention, "
+            + (f"{self.count('sdpa')} SDPA call(s), " if self.count("sdpa") else "")
+            + f"{self.count('rotary')} rotary"
             + (f"; {folded} rotary q+k pair(s) folded into their attention" if folded else "")
-            + ")" + (f", {len(self.left)} left to Inductor by measurement" if self.left else "")
+            + ")" + (f", {len(self.left)} left as they are by measurement" if self.left else "")
             + f", {len(self.misses)} near miss(es), in {self.graphs} graph(s)"
             + (f" and {self.walked_subgraphs} subgraph(s) of higher-order ops" if self.walked_subgraphs else "")
         )
