@@ -402,8 +402,8 @@ def attention_bwd_kernel(
 
 
 @triton.jit
-def attention_dq_cast_kernel(DQA, DQ, numel, stride_b, stride_h, stride_m, stride_d, Hq, Lq, D,
-                             sm_scale, BLOCK: tl.constexpr):
+def attention_dq_cast_kernel(DQA, DQ, numel, stride_dqb, stride_dqh, stride_dqm, stride_dqd, Hq,
+                             Lq, D, sm_scale, BLOCK: tl.constexpr):
     """DQ = (DQA * scale).to(DQ's dtype): DQA contiguous (B, Hq, Lq, D), DQ of the same shape
     with its own strides (laid out as q: host.layout_like)."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
@@ -414,7 +414,7 @@ def attention_dq_cast_kernel(DQA, DQ, numel, stride_b, stride_h, stride_m, strid
     d = offs % D
     m = (offs // D) % Lq
     bh = offs // (D * Lq)
-    dst = (bh // Hq) * stride_b + (bh % Hq) * stride_h + m * stride_m + d * stride_d
+    dst = (bh // Hq) * stride_dqb + (bh % Hq) * stride_dqh + m * stride_dqm + d * stride_dqd
     tl.store(DQ + dst, (x * sm_scale).to(DQ.dtype.element_ty), mask=ok)
 
 

@@ -68,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .args import KEY_ROWS, ROW_STATS, SCORES, strides
 from .attention_tiles import _LN2, _dot, _dot_acc, _exp
 from .host import FLOAT_BIAS as _FLOAT_BIAS
 from .host import bias_args as _bias_args
@@ -435,14 +436,20 @@ def attention_decode_forward(q, k, v, bias, *, is_causal: bool, scale: float,
                   UPCAST_DOT=upcast_dot(q),
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, next_pow2(D)),
                   BLOCK_DV=max(16, next_pow2(Dv)))
-    strides = (*q.stride(), *k.stride(), *v.stride(), *sb)
-    launch(attention_decode_split_kernel, (programs, n_splits), q, k, v, bias_t,
-           part_acc, part_m, part_l, part_sk, *strides,
-           Hkv, group, Lq, n_keys, keys_per_split, row_blocks, score_scale, **consts,
+    # both kernels' arguments, by name: tensors, strides, sizes and scalars, constexprs
+    tensors = dict(Q=q, K=k, V=v, Bias=bias_t, PartAcc=part_acc, PartM=part_m, PartL=part_l,
+                   PartSk=part_sk)
+    input_strides = {**strides("q", q), **strides("k", k, KEY_ROWS), **strides("v", v, KEY_ROWS),
+                     **strides("b", sb, SCORES)}
+    scalars = dict(Hkv=Hkv, group=group, Lq=Lq, n_keys=n_keys, row_blocks=row_blocks,
+                   score_scale=score_scale)
+    launch(attention_decode_split_kernel, (programs, n_splits),
+           **tensors, **input_strides, **scalars, keys_per_split=keys_per_split, **consts,
            writes=("PartAcc", "PartM", "PartL", "PartSk"),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    launch(attention_decode_combine_kernel, (programs,), q, k, v, bias_t,
-           part_acc, part_m, part_l, part_sk, out_buf, lse, *strides, *out.stride(),
-           *lse.stride(), Hkv, group, Lq, n_keys, n_splits, row_blocks, score_scale, **consts,
+    launch(attention_decode_combine_kernel, (programs,),
+           **tensors, Out=out_buf, Lse=lse,
+           **input_strides, **strides("o", out), **strides("l", lse, ROW_STATS),
+           **scalars, n_splits=n_splits, **consts,
            writes=("Out", "Lse"), num_warps=cfg.num_warps, num_stages=1)
     return out_buf.transpose(1, 2), lse

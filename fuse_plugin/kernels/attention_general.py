@@ -4,9 +4,11 @@
 
 Each ``run_*`` takes an ``AttentionCall`` (call.py: validated tensors and kernel arguments) and
 its tiles (``AttentionConfig``, chosen by the registry, registry.py) and returns the launcher's
-outputs. Kernel arguments are grouped as the kernels declare them: tensors, then per tensor its
-four strides, then sizes and scalars; constexprs by keyword. A table or heuristic config the GPU
-cannot hold is retried with fewer stages, then the smallest tiles (``with_retry``).
+outputs. Kernel arguments go by name, grouped as the kernels declare them: tensors, then each
+tensor's strides (``args.strides``), then sizes and scalars, then constexprs; the call's inputs,
+sizes and scalars that every kernel takes come from ``_inputs`` and its neighbours. A table or
+heuristic config the GPU cannot hold is retried with fewer stages, then the smallest tiles
+(``with_retry``).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from .attention_bwd import (
 )
 from .attention_config import SAFE_CONFIG, AttentionConfig, block_d, d_parts
 from .attention_fwd import attention_fwd_kernel
+from .args import KEY_ROWS, ROW_STATS, SCORES, remembered, strides
 from .host import FLOAT_BIAS, cdiv, dot_precision, in_layout_of, inverse_order, layout_order, upcast_dot
 from .launch import hint, is_tracing, launch
 
@@ -144,6 +147,54 @@ def _dots(q) -> dict:
     return dict(PRECISION=dot_precision(q), UPCAST_DOT=upcast_dot(q))
 
 
+def _common(call) -> dict:
+    """The constexprs every general kernel takes: the masks, the bias's form, the dots'."""
+    return dict(IS_CAUSAL=call.is_causal, BIAS_KIND=call.kind, HAS_REPLACE=call.has_rep,
+                BIAS_KEYS=call.bias_keys, **_dots(call.q))
+
+
+def _inputs(call, with_v: bool = True) -> dict:
+    """The call's input tensors by the kernels' names: Q, K, V (not with ``with_v`` False: the
+    preprocess reads no V), Bias, Rep (the replace mask), Cos, Sin (the rope tables)."""
+    if with_v:
+        return {"Q": call.q, "K": call.k, "V": call.v, "Bias": call.bias_t, "Rep": call.rep_t,
+                "Cos": call.cos, "Sin": call.sin}
+    return {"Q": call.q, "K": call.k, "Bias": call.bias_t, "Rep": call.rep_t, "Cos": call.cos,
+            "Sin": call.sin}
+
+
+def _input_strides(call, with_v: bool = True) -> dict:
+    """The strides of ``_inputs``: q, k, v, the bias (b), the replace mask (r), the rope tables
+    as seen at the query rows (cq) and at the key rows (ck). Shared: unpack, never change."""
+    return _input_stride_args(call.q.stride(), call.k.stride(), call.v.stride() if with_v else None,
+                              tuple(call.sb), tuple(call.sr), tuple(call.scq), tuple(call.sck))
+
+
+@remembered
+def _input_stride_args(sq, sk, sv, sb, sr, scq, sck) -> dict:
+    return {**strides("q", sq), **strides("k", sk, KEY_ROWS),
+            **(strides("v", sv, KEY_ROWS) if sv is not None else {}),
+            **strides("b", sb, SCORES), **strides("r", sr, SCORES),
+            **strides("cq", scq), **strides("ck", sck, KEY_ROWS)}
+
+
+def _sizes(call) -> dict:
+    """The sizes every general kernel takes (head counts and dims: ints; lengths: SymInts
+    under dynamic shapes)."""
+    _, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
+    return {"Hq": Hq, "kv_group": Hq // Hkv, "Lq": Lq, "Lk": Lk, "D": D, "Dv": Dv}
+
+
+def _scores(call) -> dict:
+    """The scores' scale and softcap (call.py: ``_softcap_args``)."""
+    return {"score_scale": call.score_scale, "cap": call.cap}
+
+
+def _dropout(call) -> dict:
+    """The dropout draw's seed tensor, threshold and 1 / keep rate (call.py: ``dropout_args``)."""
+    return {"Seed": call.seed, "drop_thresh": call.drop_thresh, "inv_keep": call.inv_keep}
+
+
 def _rope_variant(call) -> Optional[str]:
     return "rope" if call.rc["ROT"] else None
 
@@ -155,7 +206,6 @@ def _rope_variant(call) -> Optional[str]:
 
 def run_forward(call, cfg: AttentionConfig, out_buf: torch.Tensor, lse: torch.Tensor):
     """The general forward (attention_fwd_kernel) into ``out_buf`` (B, Lq, Hq, Dv) and ``lse``."""
-    q, k, v = call.q, call.k, call.v
     B, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
     out = out_buf.transpose(1, 2)
 
@@ -165,14 +215,11 @@ def run_forward(call, cfg: AttentionConfig, out_buf: torch.Tensor, lse: torch.Te
         check_tile_offsets(tiles + [("out", *out.stride()[2:], bm, dv0 + dv1)])
         launch(
             attention_fwd_kernel, (cdiv(Lq, bm) * B * Hq,),
-            q, k, v, call.bias_t, call.rep_t, out_buf, lse, call.cos, call.sin,
-            *q.stride(), *k.stride(), *v.stride(), *call.sb, *call.sr, *out.stride(),
-            *lse.stride(), *call.scq, *call.sck,
-            Hq, Hq // Hkv, Lq, Lk, call.score_scale, call.seed, call.drop_thresh, call.inv_keep,
-            call.cap, D, Dv,
-            IS_CAUSAL=call.is_causal, BIAS_KIND=call.kind, SCALE_POS=bool(call.scale >= 0),
-            DROPOUT=call.dropout, SOFTCAP=call.softcapped, HAS_REPLACE=call.has_rep,
-            BIAS_KEYS=call.bias_keys, **_dots(q),
+            **_inputs(call), Out=out_buf, Lse=lse,
+            **_input_strides(call), **strides("o", out), **strides("l", lse, ROW_STATS),
+            **_sizes(call), **_scores(call), **_dropout(call),
+            SCALE_POS=bool(call.scale >= 0), DROPOUT=call.dropout, SOFTCAP=call.softcapped,
+            **_common(call),
             BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **call.rc,
             writes=("Out", "Lse"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -219,9 +266,9 @@ class _RowStats:
         if self.done is not None:
             return self.done
         call = self.call
-        q, k, out, dout, lse = call.q, call.k, call.out, call.dout, call.lse
+        out, dout, lse = call.out, call.dout, call.lse
         B, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
-        dev = q.device
+        dev = call.q.device
         delta = host.empty((B, Hq, Lq), torch.float32, dev)
         row_m = host.empty((B, Hq, Lq), torch.float32, dev)
         row_r = host.empty((B, Hq, Lq), torch.float32, dev) if call.kind == FLOAT_BIAS else row_m
@@ -230,12 +277,12 @@ class _RowStats:
         pre_m = 64
         launch(
             attention_bwd_preprocess_kernel, (cdiv(Lq, pre_m) * B * Hq,),
-            out, dout, lse, delta, row_m, row_r, q, k, call.bias_t, call.rep_t, dqa, call.cos,
-            call.sin,
-            *out.stride(), *dout.stride(), *lse.stride(), *q.stride(), *k.stride(), *call.sb,
-            *call.sr, *call.scq, *call.sck,
-            Hq, Hq // Hkv, Lq, Lk, D, Dv, call.score_scale, call.cap, ZERO_DQ=self.atomic,
-            SOFTCAP=call.softcapped, **_common(call),
+            Out=out, DO=dout, Lse=lse, Delta=delta, RowM=row_m, RowR=row_r, DQA=dqa,
+            **_inputs(call, with_v=False),
+            **strides("o", out), **strides("do", dout), **strides("l", lse, ROW_STATS),
+            **_input_strides(call, with_v=False),
+            **_sizes(call), **_scores(call),
+            ZERO_DQ=self.atomic, SOFTCAP=call.softcapped, **_common(call),
             BLOCK_M=pre_m, BLOCK_N=32, BLOCK_D=block_d(D), BLOCK_DV=block_d(Dv),
             D0=one[0], D1=one[1], D2=one[2], **call.rc,
             num_warps=4, num_stages=1,
@@ -244,11 +291,6 @@ class _RowStats:
         )
         self.done = (delta, row_m, row_r, dqa)
         return self.done
-
-
-def _common(call) -> dict:
-    return dict(IS_CAUSAL=call.is_causal, BIAS_KIND=call.kind, HAS_REPLACE=call.has_rep,
-                BIAS_KEYS=call.bias_keys, **_dots(call.q))
 
 
 def run_backward_atomic(call, cfg: AttentionConfig, tma_launch=None):
@@ -293,7 +335,7 @@ def run_backward_atomic(call, cfg: AttentionConfig, tma_launch=None):
 
 def _launch_atomic(call, cfg, g, stats, dk_out, dv_out, dk_strides, dv_strides, split, split_strides):
     """attention_bwd_kernel; returns whether it ran in its one-launch form."""
-    q, k, v, dout, out, lse = call.q, call.k, call.v, call.dout, call.out, call.lse
+    q, dout, out, lse = call.q, call.dout, call.out, call.lse
     B, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
     # All keys in one block: each program owns its query heads' dQ rows (a correctness
     # condition: with dynamic shapes, a guard on Lk).
@@ -312,13 +354,13 @@ def _launch_atomic(call, cfg, g, stats, dk_out, dv_out, dk_strides, dv_strides, 
     ds_t, ds_strides = g.ds_args(q)
     launch(
         attention_bwd_kernel, (cdiv(Lk, bn) * B * Hkv * split,),
-        q, k, v, call.bias_t, call.rep_t, dout, dqa, dk_out, dv_out, ds_t, delta, row_m, row_r,
-        call.cos, call.sin, out, lse, dq_out,
-        *q.stride(), *k.stride(), *v.stride(), *call.sb, *call.sr, *dout.stride(), *dk_strides,
-        *dv_strides, *ds_strides, *call.scq, *call.sck, *out.stride(), *lse.stride(),
-        *dq_out.stride(),
-        Hq, Hkv, Hq // Hkv, Lq, Lk, call.score_scale, call.scale, call.seed, call.drop_thresh,
-        call.inv_keep, split, *split_strides, call.cap, D, Dv,
+        **_inputs(call), DO=dout, DQA=dqa, DK=dk_out, DV=dv_out, DS=ds_t, Delta=delta, RowM=row_m,
+        RowR=row_r, Out=out, Lse=lse, DQ=dq_out,
+        **_input_strides(call), **strides("do", dout), **strides("dk", dk_strides, KEY_ROWS),
+        **strides("dv", dv_strides, KEY_ROWS), **strides("ds", ds_strides, SCORES),
+        **strides("o", out), **strides("l", lse, ROW_STATS), **strides("dq", dq_out),
+        **_sizes(call), Hkv=Hkv, **_scores(call), sm_scale=call.scale, **_dropout(call),
+        group_split=split, split_stride_dk=split_strides[0], split_stride_dv=split_strides[1],
         ONE_KEY_BLOCK=one_block, NEED_DS=call.need_dbias, DROPOUT=call.dropout,
         SOFTCAP=call.softcapped, **_common(call),
         BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **call.rc,
@@ -336,16 +378,19 @@ def _cast_dq(call, g, dqa):
         one = qk_parts(D, False, call.rc)
         cast_m = 32
         launch(attention_dq_rope_cast_kernel, (cdiv(Lq, cast_m) * B * Hq,),
-               dqa, g.dq, call.cos, call.sin, *g.dq.stride(), *call.scq, Hq, Lq, call.scale, D,
-               D0=one[0], D2=one[2], BLOCK_M=cast_m, **call.rc, num_warps=4, writes=("DQ",))
+               DQA=dqa, DQ=g.dq, Cos=call.cos, Sin=call.sin,
+               **strides("dq", g.dq), **strides("cq", call.scq),
+               Hq=Hq, Lq=Lq, sm_scale=call.scale,
+               D=D, D0=one[0], D2=one[2], BLOCK_M=cast_m, **call.rc, num_warps=4, writes=("DQ",))
         return g.dq
     if is_tracing():
         # What attention_dq_cast_kernel computes, as torch ops, laid out as the fake says:
         # Inductor fuses the scale, the cast and the layout into one pointwise kernel.
         return in_layout_of((dqa * call.scale).to(q.dtype), call.inputs[0])
     n = g.dq.numel()
-    launch(attention_dq_cast_kernel, (cdiv(n, 1024),), dqa, g.dq, n, *g.dq.stride(), Hq, Lq, D,
-           call.scale, BLOCK=1024, num_warps=4, writes=("DQ",))
+    launch(attention_dq_cast_kernel, (cdiv(n, 1024),), DQA=dqa, DQ=g.dq, numel=n,
+           **strides("dq", g.dq), Hq=Hq, Lq=Lq, D=D, sm_scale=call.scale,
+           BLOCK=1024, num_warps=4, writes=("DQ",))
     return g.dq
 
 
@@ -366,27 +411,27 @@ def run_backward_pair(call, cfg: AttentionConfig):
                         ("bias", *call.sb[2:], bm, bn), ("replace", *call.sr[2:], bm, bn),
                         ("dbias", Lk, 1, bm, bn)]
                        + _table_tiles(call, bm, bn))
-    consts = dict(_common(call), BLOCK_M=bm, BLOCK_N=bn, BLOCK_DV=bdv, D0=one[0], D1=one[1],
-                  D2=one[2], **call.rc, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    stats = dict(Delta=delta, RowM=row_m, RowR=row_r)
+    scalars = dict(_sizes(call), **_scores(call), sm_scale=call.scale, **_dropout(call))
+    consts = dict(_common(call), DROPOUT=call.dropout, SOFTCAP=call.softcapped, BLOCK_M=bm,
+                  BLOCK_N=bn, BLOCK_DV=bdv, D0=one[0], D1=one[1], D2=one[2], **call.rc,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     launch(
         attention_bwd_dkdv_kernel, (cdiv(Lk, bn) * B * Hkv,),
-        q, k, v, call.bias_t, call.rep_t, dout, g.dk, g.dv, delta, row_m, row_r, call.cos, call.sin,
-        *q.stride(), *k.stride(), *v.stride(), *call.sb, *call.sr, *dout.stride(), *g.dk.stride(),
-        *g.dv.stride(), *call.scq, *call.sck,
-        Hq, Hkv, Hq // Hkv, Lq, Lk, D, Dv, call.score_scale, call.scale, call.seed,
-        call.drop_thresh, call.inv_keep, call.cap,
-        DROPOUT=call.dropout, SOFTCAP=call.softcapped, **consts, writes=("DK", "DV"),
+        **_inputs(call), DO=dout, DK=g.dk, DV=g.dv, **stats,
+        **_input_strides(call), **strides("do", dout), **strides("dk", g.dk, KEY_ROWS),
+        **strides("dv", g.dv, KEY_ROWS),
+        **scalars, Hkv=Hkv,
+        **consts, writes=("DK", "DV"),
     )
     ds_t, ds_strides = g.ds_args(q)
     launch(
         attention_bwd_dq_kernel, (cdiv(Lq, bm) * B * Hq,),
-        q, k, v, call.bias_t, call.rep_t, dout, g.dq, ds_t, delta, row_m, row_r, call.cos, call.sin,
-        *q.stride(), *k.stride(), *v.stride(), *call.sb, *call.sr, *dout.stride(), *g.dq.stride(),
-        *ds_strides, *call.scq, *call.sck,
-        Hq, Hq // Hkv, Lq, Lk, D, Dv, call.score_scale, call.scale, call.seed, call.drop_thresh,
-        call.inv_keep, call.cap,
-        NEED_DS=call.need_dbias, DROPOUT=call.dropout, SOFTCAP=call.softcapped, **consts,
-        writes=("DQ",) + (("DS",) if call.need_dbias else ()),
+        **_inputs(call), DO=dout, DQ=g.dq, DS=ds_t, **stats,
+        **_input_strides(call), **strides("do", dout), **strides("dq", g.dq),
+        **strides("ds", ds_strides, SCORES),
+        **scalars,
+        NEED_DS=call.need_dbias, **consts, writes=("DQ",) + (("DS",) if call.need_dbias else ()),
     )
     return g.dq, g.dk, g.dv, g.dbias
 

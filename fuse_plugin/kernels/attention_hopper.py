@@ -29,6 +29,7 @@ from .attention_config import AttentionConfig, gluon_bwd_variant, gluon_variant
 from .attention_fwd_tma import attention_fwd_tma_kernel
 from .attention_general import (group_split, new_grads, row_stats, run_backward_atomic,
                                 sum_partials, with_retry)
+from .args import strides
 from .host import NO_BIAS, cdiv, dot_precision, in_layout_of, interpreted, upcast_dot
 from .launch import (Desc, Untraceable, aligned16, descriptors_traceable, hint, is_tracing,
                      launch, python_ops_allowed, symbolic, tma_strides_ok)
@@ -149,7 +150,7 @@ def why_not_gluon_platform(call) -> Optional[str]:
 
 def why_not_gluon_bwd(call, cfg: AttentionConfig) -> Optional[str]:
     """None when the Gluon backward (attention_bwd_gluon.py) covers this call with ``cfg``'s
-    variant, else why not. (Its own, thorough ``gluon_backward_ineligible`` repeats these
+    variant, else why not. (Its own, thorough ``why_not_gluon_backward`` repeats these
     checks at ~0.1 ms of host time per call on the H100 host.)"""
     variant = gluon_bwd_variant(cfg)
     if variant not in gluon_bwd.VARIANTS:
@@ -183,12 +184,29 @@ def gluon_failed(cfg: AttentionConfig) -> bool:
 
 def _descriptor(t: torch.Tensor, block_rows: int) -> Desc:
     """Host-side TMA descriptor of a (B, H, L, D) tensor with [1, 1, block_rows, D] blocks (made
-    by the launch interface: launch.descriptor, or Inductor when traced)."""
+    by the launch interface: launch.descriptor, or Inductor when traced). The launches pass
+    them positionally, as the kernels' leading parameters, in the kernels' order: an eager
+    launch makes descriptors of its positional arguments only (launch.launch); every other
+    argument goes by name."""
     return Desc(t, (1, 1, block_rows, t.shape[3]))
 
 
-def _dots(q) -> dict:
-    return dict(PRECISION=dot_precision(q), UPCAST_DOT=upcast_dot(q))
+def _sizes(call) -> dict:
+    """The sizes every TMA kernel takes (by the kernels' names)."""
+    _, Hq, Lq, _, Hkv, Lk, _ = call.sizes
+    return dict(Hq=Hq, kv_group=Hq // Hkv, Lq=Lq, Lk=Lk)
+
+
+def _scales(call) -> dict:
+    """The backward kernels' scales: the scores' (log2 units) and the softmax's."""
+    return dict(score_scale=call.score_scale, sm_scale=call.scale)
+
+
+def _consts(call, block_m: int, block_n: int) -> dict:
+    """The constexprs every TMA kernel takes."""
+    q = call.q
+    return dict(D=call.sizes[3], IS_CAUSAL=call.is_causal, PRECISION=dot_precision(q),
+                UPCAST_DOT=upcast_dot(q), BLOCK_M=block_m, BLOCK_N=block_n)
 
 
 def run_forward_tma(call, cfg: AttentionConfig, out_layout):
@@ -202,9 +220,11 @@ def run_forward_tma(call, cfg: AttentionConfig, out_layout):
         bm, bn = cfg.block_m, cfg.block_n
         launch(
             attention_fwd_tma_kernel, (cdiv(Lq, bm) * B * Hq,),
+            # positional (see _descriptor): q_desc, k_desc, v_desc, o_desc
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(o, bm),
-            lse, *lse.stride()[:2], Hq, Hq // Hkv, Lq, Lk, call.scale * 1.4426950408889634,
-            D=D, IS_CAUSAL=call.is_causal, BLOCK_M=bm, BLOCK_N=bn, **_dots(q),
+            Lse=lse, **strides("l", lse.stride()[:2], "bh"),
+            **_sizes(call), qk_scale=call.scale * 1.4426950408889634,
+            **_consts(call, bm, bn),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, writes=("o_desc", "Lse"))
 
     with_retry(run, cfg, call.config is not None, "tma")
@@ -271,12 +291,16 @@ def run_backward_tma(call, cfg: AttentionConfig):
         delta, row_m, _, dqa = stats.get()
         launch(
             attention_bwd_tma_kernel, (cdiv(Lk, bn) * B * Hkv * split,),
+            # positional (see _descriptor): q_desc, k_desc, v_desc, do_desc, dq_desc
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm),
-            _descriptor(dqa, bm), dqa, dk_out, dv_out, delta, row_m, *dk_strides[:3],
-            *dv_strides[:3], Hq, Hkv, Hq // Hkv, Lq, Lk, call.score_scale, call.scale, split,
-            *split_strides, D=D, IS_CAUSAL=call.is_causal, TMA_REDUCE=not interpreted(q),
-            **_dots(q), BLOCK_M=bm, BLOCK_N=bn, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, writes=("dq_desc", "DQA", "DK", "DV"))
+            _descriptor(dqa, bm),
+            DQA=dqa, DK=dk_out, DV=dv_out, Delta=delta, RowM=row_m,
+            **strides("dk", dk_strides[:3], "bhn"), **strides("dv", dv_strides[:3], "bhn"),
+            **_sizes(call), Hkv=Hkv, **_scales(call),
+            group_split=split, split_stride_dk=split_strides[0], split_stride_dv=split_strides[1],
+            TMA_REDUCE=not interpreted(q), **_consts(call, bm, bn),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            writes=("dq_desc", "DQA", "DK", "DV"))
 
     return run_backward_atomic(call, cfg, tma_launch=tma_launch)
 
@@ -303,10 +327,12 @@ def run_backward_tma_pair(call, cfg: AttentionConfig):
             dk_out, dv_out = g.dk, g.dv
         launch(
             attention_bwd_dkdv_tma_kernel, (cdiv(Lk, bn) * B * Hkv * split,),
+            # positional (see _descriptor): q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc
             _descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm),
-            _descriptor(dk_out, bn), _descriptor(dv_out, bn), delta, row_m, B, Hq, Hkv,
-            Hq // Hkv, Lq, Lk, call.score_scale, call.scale, split, D=D,
-            IS_CAUSAL=call.is_causal, **_dots(q), BLOCK_M=bm, BLOCK_N=bn,
+            _descriptor(dk_out, bn), _descriptor(dv_out, bn),
+            Delta=delta, RowM=row_m,
+            B=B, Hkv=Hkv, **_sizes(call), **_scales(call), group_split=split,
+            **_consts(call, bm, bn),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, writes=("dk_desc", "dv_desc"))
         if split > 1:
             g.dk = sum_partials(dk_out.view(split, B, Hkv, Lk, D), g.dk)
@@ -314,9 +340,12 @@ def run_backward_tma_pair(call, cfg: AttentionConfig):
         qm, qn, qw, qs = cfg.dq_tile or cfg[:4]
         launch(
             attention_bwd_dq_tma_kernel, (cdiv(Lq, qm) * B * Hq,),
+            # positional (see _descriptor): q_desc, k_desc, v_desc, do_desc, dq_desc
             _descriptor(q, qm), _descriptor(k, qn), _descriptor(v, qn), _descriptor(dout, qm),
-            _descriptor(g.dq, qm), delta, row_m, Hq, Hq // Hkv, Lq, Lk, call.score_scale,
-            call.scale, D=D, IS_CAUSAL=call.is_causal, **_dots(q), BLOCK_M=qm, BLOCK_N=qn,
+            _descriptor(g.dq, qm),
+            Delta=delta, RowM=row_m,
+            **_sizes(call), **_scales(call),
+            **_consts(call, qm, qn),
             num_warps=qw, num_stages=qs, writes=("dq_desc",))
 
     with_retry(run, cfg, call.config is not None, "tma_pair")

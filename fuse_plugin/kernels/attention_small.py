@@ -95,12 +95,13 @@ Without dbias the units are visited in (b, kvh) order.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
+from .args import KEY_ROWS, ROW_STATS, SCORES, strides
 from .attention_bwd import _row_stats
 from .attention_tiles import (
     _LN2,
@@ -523,10 +524,25 @@ def default_config(direction: str, units: int, Lq: int, Lk: int, D: int, Dv: int
     return SmallConfig(per_program, 8 if wide else 4, stages)
 
 
-def _common(q, k, v, bias, is_causal: bool, scale: float, dropout_p: float, dropout_seed):
-    """The checks and the arguments both directions share: (sizes, bias operand, dropout
-    operands, constexprs). Raises ValueError where ``why_not`` gives a reason; with SymInt
-    lengths, guards that they fit the tiles picked by their hints."""
+class _Common(NamedTuple):
+    """What both directions' launches share: sizes, and kernel arguments by name, grouped as the
+    kernels declare them."""
+
+    B: Any
+    Hkv: int
+    Lq: Any
+    Lk: Any
+    tensors: dict  # Q, K, V, Bias, Seed
+    strides: dict  # q's, k's, v's, the bias's
+    scalars: dict  # Hkv, Lq, Lk, bias_period, score_scale, drop_thresh, inv_keep
+    consts: dict  # the constexprs
+
+
+def _common(q, k, v, bias, is_causal: bool, scale: float, dropout_p: float,
+            dropout_seed) -> _Common:
+    """The checks and the arguments both directions share. Raises ValueError where ``why_not``
+    gives a reason; with SymInt lengths, guards that they fit the tiles picked by their
+    hints."""
     reason = why_not(q, k, v, bias, dropout=dropout_p != 0.0)
     if reason is not None:
         raise ValueError(f"attention_small does not run this problem: {reason}")
@@ -547,8 +563,14 @@ def _common(q, k, v, bias, is_causal: bool, scale: float, dropout_p: float, drop
                   BLOCK_K=block_k, BLOCK_D=_tile(D), BLOCK_DV=_tile(Dv))
     score_scale = scale if kind == FLOAT_BIAS else scale * 1.4426950408889634
     bias_period = bias.shape[0] if bias is not None else 1
-    return (B, Hkv, Lq, Lk, bias_t, sb, bias_period, seed, drop_thresh, inv_keep,
-            score_scale, consts)
+    return _Common(
+        B, Hkv, Lq, Lk,
+        tensors=dict(Q=q, K=k, V=v, Bias=bias_t, Seed=seed),
+        strides={**strides("q", q), **strides("k", k, KEY_ROWS), **strides("v", v, KEY_ROWS),
+                 **strides("b", sb, SCORES)},
+        scalars=dict(Hkv=Hkv, Lq=Lq, Lk=Lk, bias_period=bias_period, score_scale=score_scale,
+                     drop_thresh=drop_thresh, inv_keep=inv_keep),
+        consts=consts)
 
 
 def _config(direction, config, units, Lq, Lk, D, Dv, q) -> SmallConfig:
@@ -580,21 +602,21 @@ def forward(q, k, v, bias, *, is_causal: bool, scale: float, lse: torch.Tensor,
         dropout_p, dropout_seed: dropout of the weights (one int64 seed on q's device).
         config: ``SmallConfig`` (default: ``default_config("fwd", ...)``).
     Raises ValueError for a problem ``why_not`` declines."""
-    (B, Hkv, Lq, Lk, bias_t, sb, bias_period, seed, drop_thresh, inv_keep, score_scale,
-     consts) = _common(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
-    units = B * Hkv
+    c = _common(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
+    units = c.B * c.Hkv
     if units == 0:
         return
-    cfg = _config("fwd", config, units, Lq, Lk, consts["D"], consts["Dv"], q)
+    cfg = _config("fwd", config, units, c.Lq, c.Lk, c.consts["D"], c.consts["Dv"], q)
     per_program = cfg.problems_per_program
     if (out is None) == (out_buf is None):
         raise ValueError("give one of out and out_buf")
     written, out_strides = (out, out.stride()) if out is not None else \
         (out_buf, out_buf.transpose(1, 2).stride())
     launch(attention_small_fwd_kernel, (cdiv(units, per_program),),
-           q, k, v, bias_t, written, lse, seed, *q.stride(), *k.stride(), *v.stride(), *sb,
-           *out_strides, *lse.stride(), Hkv, Lq, Lk, bias_period, units, per_program,
-           score_scale, drop_thresh, inv_keep, **consts, NUM_STAGES=cfg.num_stages,
+           **c.tensors, Out=written, Lse=lse,
+           **c.strides, **strides("o", out_strides), **strides("l", lse, ROW_STATS),
+           **c.scalars, n_units=units, units_per_program=per_program,
+           **c.consts, NUM_STAGES=cfg.num_stages,
            writes=("Out", "Lse"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -658,13 +680,13 @@ def backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale: float,
             mode (``torch.are_deterministic_algorithms_enabled()``) with a dbias whose slots
             span several units, ``problems_per_program`` is raised to whole slots.
     Raises ValueError for a problem ``why_not`` declines."""
-    (B, Hkv, Lq, Lk, bias_t, sb, bias_period, seed, drop_thresh, inv_keep, score_scale,
-     consts) = _common(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
-    Hq = consts["GROUP"] * Hkv
+    c = _common(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
+    B, Hkv, Lq, Lk = c.B, c.Hkv, c.Lq, c.Lk
+    Hq = c.consts["GROUP"] * Hkv
     units = B * Hkv
     if units == 0:
         return
-    cfg = _config("bwd", config, units, Lq, Lk, consts["D"], consts["Dv"], q)
+    cfg = _config("bwd", config, units, Lq, Lk, c.consts["D"], c.consts["Dv"], q)
     if dbias is None:
         plan = _DbiasPlan(NO_DBIAS, True, B, False, cfg.problems_per_program, False)
         dbias_t, dbias_strides = lse, (0, 0, 0, 0)
@@ -678,12 +700,14 @@ def backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale: float,
         dbias_t = dbias
         dbias_strides = tuple(0 if n == 1 else st for n, st in zip(dbias.shape, dbias.stride()))
     launch(attention_small_bwd_kernel, (cdiv(units, plan.per_program),),
-           q, k, v, bias_t, dout, out, lse, dq, dk, dv, dbias_t, seed,
-           *q.stride(), *k.stride(), *v.stride(), *sb, *dout.stride(), *out.stride(),
-           *lse.stride(), *dq.stride(), *dk.stride(), *dv.stride(), *dbias_strides,
-           Hkv, Lq, Lk, bias_period, plan.period, plan.period, B // plan.period,
-           units, plan.per_program, score_scale, scale, drop_thresh, inv_keep, **consts,
-           DBIAS=plan.mode, DBIAS_ROWS=plan.rows, DBIAS_PER_HEAD=plan.per_head,
+           **c.tensors, DO=dout, Out=out, Lse=lse, DQ=dq, DK=dk, DV=dv, DBias=dbias_t,
+           **c.strides, **strides("do", dout), **strides("o", out), **strides("l", lse, ROW_STATS),
+           **strides("dq", dq), **strides("dk", dk, KEY_ROWS), **strides("dv", dv, KEY_ROWS),
+           **strides("db", dbias_strides, SCORES),
+           **c.scalars, dbias_period=plan.period, order_period=plan.period,
+           order_reps=B // plan.period, n_units=units, units_per_program=plan.per_program,
+           sm_scale=scale,
+           **c.consts, DBIAS=plan.mode, DBIAS_ROWS=plan.rows, DBIAS_PER_HEAD=plan.per_head,
            NUM_STAGES=cfg.num_stages,
            writes=("DQ", "DK", "DV") + (("DBias",) if dbias is not None else ()),
            num_warps=cfg.num_warps, num_stages=cfg.num_stages)

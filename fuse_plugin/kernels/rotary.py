@@ -85,6 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .args import indexed, prefixed, remembered
 from .host import cdiv, next_pow2
 from .launch import launch
 
@@ -464,7 +465,8 @@ def _table_strides(t: torch.Tensor, lead: tuple[int, int, int], width: int, name
 
 
 class _Side:
-    """One tensor's launch arguments: sizes and strides in the kernel's (A, heads, C, D) order."""
+    """One tensor's launch arguments: sizes and strides in the kernel's (A, heads, C, D) order,
+    named for the kernel's side ``q`` or ``k`` (``kwargs``)."""
 
     def __init__(self, x, cos, sin, out, rotary_dim, name):
         if x.dim() != 4:
@@ -500,8 +502,23 @@ class _Side:
         self.n_pos = sizes[0] * sizes[2]
         self.head_dim = D
         self.table_per_head = bool(sc[1] or ss[1]) and sizes[1] > 1
-        self.args = [x, cos, sin, out, self.n_pos, self.size_c, self.n_heads,
-                     *sx, *so[:3], *sc, *ss]
+        self.tensors = (x, cos, sin, out)
+        self.strides = (tuple(sx), tuple(so[:3]), tuple(sc), tuple(ss))
+
+    def kwargs(self, side: str) -> dict:
+        """The kernel's arguments of ``side`` ("q" or "k") by name: its tensor, tables and
+        output, then its sizes and the strides of x, out, cos and sin."""
+        x, cos, sin, out = self.tensors
+        return {**prefixed(side, _ptr=x, cos_ptr=cos, sin_ptr=sin, out_ptr=out),
+                **_side_args(side, self.n_pos, self.size_c, self.n_heads, *self.strides)}
+
+
+@remembered
+def _side_args(side: str, n_pos, size_c, n_heads, sx, so, sc, ss) -> dict:
+    """A side's sizes and strides by the kernel's names (ints: remembered per layout)."""
+    return {**prefixed(side, _pos=n_pos, _size_c=size_c, _heads=n_heads),
+            **indexed(f"{side}_sx", sx), **indexed(f"{side}_so", so),
+            **indexed(f"{side}_sc", sc), **indexed(f"{side}_ss", ss)}
 
 
 def _launch(q, qcos, qsin, q_out, k, kcos, ksin, k_out, *, interleaved, rotary_dim, backward, config):
@@ -554,12 +571,12 @@ def _launch(q, qcos, qsin, q_out, k, kcos, ksin, k_out, *, interleaved, rotary_d
         grid = (q_programs + k_programs,)
     if grid[0] == 0:
         return
-    kargs = ks.args if has_k else qs.args  # dummy second group when HAS_K is False (never read)
+    kside = ks if has_k else qs  # dummy second group when HAS_K is False (never read)
     R = rotary_dim
     kd = ks.head_dim if has_k else qs.head_dim
     launch(
-        rotary_kernel, grid, *qs.args, *kargs,
-        q_programs, q_chunks, k_chunks, hpp,
+        rotary_kernel, grid, **qs.kwargs("q"), **kside.kwargs("k"),
+        q_programs=q_programs, q_chunks=q_chunks, k_chunks=k_chunks, heads_per_program=hpp,
         HAS_K=has_k,
         SAME_POS=same_pos,
         Q_HEAD_DIM=qs.head_dim,
