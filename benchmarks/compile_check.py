@@ -6,8 +6,9 @@ Hopper passes and ptxas), with the exact arguments our launchers pass.
 Triton's interpreter (what CI runs) resolves names through Python and never lowers anything, so a
 kernel can pass every CPU test and still fail to compile (a name a moved helper no longer sees,
 a layout conversion the Hopper backend rejects, shared memory over the limit). This records the
-launches of representative calls (forward/backward, TMA forward, decode, dropout, deterministic, rope, bias) with the
-kernels replaced by recorders, then compiles each distinct kernel specialisation for
+launches of representative calls (forward/backward, TMA forward, decode, dropout, deterministic,
+rope, bias, the small family) with the kernels replaced by recorders in the modules that launch
+them, then compiles each distinct kernel specialisation for
 GPUTarget("cuda", 90). Uses Triton internals (ASTSource, GPUTarget) on purpose: a developer check
 before spending device time, not a test. A backward with dropout takes ~80 s to compile.
 """
@@ -30,10 +31,22 @@ import common  # noqa: E402,F401  (puts the source tree on sys.path)
 import fuse_plugin.kernels.attention as A  # noqa: E402
 import fuse_plugin.kernels.attention_config as AC  # noqa: E402
 import fuse_plugin.kernels.attention_decode as DEC  # noqa: E402
+import fuse_plugin.kernels.attention_general as GEN  # noqa: E402
+import fuse_plugin.kernels.attention_hopper as HOP  # noqa: E402
+import fuse_plugin.kernels.attention_small as SMALL  # noqa: E402
+from fuse_plugin.kernels import registry  # noqa: E402
+from fuse_plugin.kernels.launch import bind  # noqa: E402
 
-KERNELS = ["attention_fwd_kernel", "attention_fwd_tma_kernel", "attention_bwd_tma_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",
-           "attention_dq_cast_kernel", "attention_dq_rope_cast_kernel", "attention_bwd_dkdv_kernel",
-           "attention_bwd_dq_kernel", "attention_bwd_dkdv_tma_kernel", "attention_bwd_dq_tma_kernel"]
+# The launch modules and the kernels they launch (each replaced by a recorder in its module).
+KERNELS = {
+    GEN: ["attention_fwd_kernel", "attention_bwd_preprocess_kernel", "attention_bwd_kernel",
+          "attention_dq_cast_kernel", "attention_dq_rope_cast_kernel", "attention_bwd_dkdv_kernel",
+          "attention_bwd_dq_kernel"],
+    HOP: ["attention_fwd_tma_kernel", "attention_bwd_tma_kernel", "attention_bwd_dkdv_tma_kernel",
+          "attention_bwd_dq_tma_kernel"],
+    DEC: ["attention_decode_split_kernel", "attention_decode_combine_kernel"],
+    SMALL: ["attention_small_fwd_kernel", "attention_small_bwd_kernel"],
+}
 POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
            torch.int64: "*i64", torch.uint8: "*u8"}
 
@@ -50,15 +63,15 @@ class Recorder:
 
 def record(quick: bool):
     launches = []
-    for name in KERNELS:
-        setattr(A, name, Recorder(getattr(A, name), launches))
-    for name in ("attention_decode_split_kernel", "attention_decode_combine_kernel"):
-        setattr(DEC, name, Recorder(getattr(DEC, name), launches))
-    DEC._upcast_dot = lambda t: False
-    AC._smem_limit = lambda device: None  # no device to ask
-    # The tensors here are CPU tensors; compile what a CUDA launch would: no interpreter upcast
-    # of bf16 dots (fp16/bf16 dots ignore the precision argument).
-    A._interpreted = lambda t: False
+    for module, names in KERNELS.items():
+        for name in names:
+            setattr(module, name, Recorder(getattr(module, name), launches))
+        # The tensors here are CPU tensors; compile what a CUDA launch would: no interpreter
+        # upcast of bf16 dots (fp16/bf16 dots ignore the precision argument), no interpreter.
+        for helper, value in (("upcast_dot", False), ("interpreted", False)):
+            if hasattr(module, helper):
+                setattr(module, helper, lambda t, _v=value: _v)
+    AC.smem_limit = lambda device: None  # no device to ask
     dt = torch.bfloat16
     q = torch.randn(1, 4, 128, 128, dtype=dt)
     k, v = torch.randn(1, 2, 128, 128, dtype=dt), torch.randn(1, 2, 128, 128, dtype=dt)
@@ -95,6 +108,12 @@ def record(quick: bool):
         rope = A.Rope(torch.randn(1, 1, 128, 64), torch.randn(1, 1, 128, 64), False, 128)
         A.attention_forward(q, k, v, None, is_causal=True, scale=0.1, rope=rope)
         A.attention_backward(out, q, k, v, None, out, lse, is_causal=True, scale=0.1, need_dbias=False, rope=rope)
+    # the small family (forced): Swin's windows with a window-periodic bias and its gradient
+    qs, ks, vs = (torch.randn(8, 3, 49, 32, dtype=dt) for _ in range(3))
+    wbias = torch.randn(4, 3, 49, 49)
+    with registry.forced("small"):
+        os_, ls = A.attention_forward(qs, ks, vs, wbias, is_causal=False, scale=0.2)
+        A.attention_backward(os_, qs, ks, vs, wbias, os_, ls, is_causal=False, scale=0.2, need_dbias=True)
     return launches
 
 
@@ -112,15 +131,21 @@ def arg_type(a) -> str:
     raise TypeError(f"unexpected launch argument {a!r}")
 
 
-def compile_launch(kernel, args, kwargs):
-    signature, constexprs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        value = args[i] if i < len(args) else kwargs[name]
-        if i >= len(args) or kernel.params[i].is_constexpr or value is None:
-            signature[name], constexprs[(i,)] = "constexpr", value
-        else:
-            signature[name] = arg_type(value)
+def specialisation(kernel, args, kwargs):
+    """(options, {parameter: its type, or ("constexpr", value)}) of one recorded launch, every
+    argument bound by name (launch.bind)."""
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    bound = bind(kernel, args, {k: v for k, v in kwargs.items() if k not in options})
+    spec = {}
+    for p in kernel.params:
+        value = bound[p.name]
+        spec[p.name] = ("constexpr", value) if p.is_constexpr or value is None else arg_type(value)
+    return options, spec
+
+
+def compile_launch(kernel, options, spec):
+    signature = {n: "constexpr" if isinstance(t, tuple) else t for n, t in spec.items()}
+    constexprs = {(i,): t[1] for i, t in enumerate(spec.values()) if isinstance(t, tuple)}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -131,16 +156,16 @@ def main():
     args = parser.parse_args()
     seen, ok = set(), True
     for kernel, a, kw in record(args.quick):
-        key = (kernel.__name__, tuple(sorted((k, repr(v)) for k, v in kw.items())),
-               tuple(arg_type(x) if not isinstance(x, (int, float)) or isinstance(x, bool) else type(x).__name__ for x in a))
+        options, spec = specialisation(kernel, a, kw)
+        key = (kernel.__name__, tuple(sorted(options.items())), tuple((n, repr(t)) for n, t in spec.items()))
         if key in seen:
             continue
         seen.add(key)
         t0 = time.time()
         try:
-            c = compile_launch(kernel, a, kw)
+            c = compile_launch(kernel, options, spec)
             print(f"{kernel.__name__:32} ok   {time.time() - t0:6.1f} s  {c.metadata.shared:7d} B smem  "
-                  f"{kw.get('num_warps')}w/{kw.get('num_stages')}s", flush=True)
+                  f"{options.get('num_warps')}w/{options.get('num_stages')}s", flush=True)
         except Exception as e:  # report and go on
             ok = False
             print(f"{kernel.__name__:32} FAIL {type(e).__name__}: {str(e).splitlines()[0][:150]}", flush=True)

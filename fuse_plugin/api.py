@@ -96,12 +96,11 @@ def attention(
             raise ValueError(
                 f"attn_mask must be broadcastable to (B, Hq, Lq, Lk) = {(b, hq, lq, lk)}, got {tuple(attn_mask.shape)}"
             )
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    # Like SDPA, dropout_p > 0 drops whether or not the module is training; a fresh seed per call.
-    seed = _attention_op.new_dropout_seed(q.device) if dropout_p > 0 else None
+    # Like SDPA, dropout_p > 0 drops whether or not the module is training; a fresh seed per call
+    # (the op checks dropout_p's range).
+    seed = _attention_op.new_dropout_seed(q.device) if 0 < dropout_p < 1 else None
     out, _ = torch.ops.fuse_plugin.attention(
         q, k, v, attn_mask, float(dropout_p), bool(is_causal), float(scale), dropout_seed=seed
     )

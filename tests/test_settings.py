@@ -69,7 +69,7 @@ def test_inductor_launch_error_names_the_switch(monkeypatch):
     with pytest.raises(ValueError, match="FUSE_PLUGIN_INDUCTOR_LAUNCH"):
         inductor.enabled()
     monkeypatch.setenv(settings.INDUCTOR_LAUNCH, "0")
-    assert inductor.why_opaque((), (), {}) == "FUSE_PLUGIN_INDUCTOR_LAUNCH=0"
+    assert inductor.why_not_decomposed((), (), {}) == "FUSE_PLUGIN_INDUCTOR_LAUNCH=0"
 
 
 def test_autopatch_switch_at_import(monkeypatch):

@@ -53,7 +53,7 @@ query head h -> kv head h // (Hq // Hkv); bf16 / fp16; D in {64, 128}; arbitrary
 unit last stride and 16-byte aligned other strides.
 
 Importing this module never compiles anything; when Gluon (or its Hopper API as of triton 3.6)
-is missing, ``GLUON_AVAILABLE`` is False and ``gluon_backward_ineligible`` says so.
+is missing, ``GLUON_AVAILABLE`` is False and ``why_not_gluon_backward`` says so.
 
 No softcap (Gemma 2 / Grok logit softcapping): the launcher (kernels/attention.py,
 ``_softcap_config``) never picks this kernel for a softcapped call; the general kernels take it.
@@ -515,7 +515,7 @@ def _aligned16(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
 
 
-def gluon_backward_ineligible(q, k, v, out, dout, is_causal, scale) -> Optional[str]:
+def why_not_gluon_backward(q, k, v, out, dout, is_causal, scale) -> Optional[str]:
     """None when attention_backward_gluon handles these inputs, else the reason it refuses."""
     if not GLUON_AVAILABLE:
         return f"gluon unavailable ({_GLUON_IMPORT_ERROR})"
@@ -587,7 +587,7 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     """(dq, dk, dv) of softmax(scale * q k^T [top-left causal]) v, by the warp-specialised Gluon kernel.
 
     lse: (B, Hq, Lq) fp32 natural-log logsumexp of the forward. Outputs are contiguous in q's dtype.
-    Call ``gluon_backward_ineligible`` first; this function assumes the inputs pass it.
+    Call ``why_not_gluon_backward`` first; this function assumes the inputs pass it.
     ``group_split`` (GQA only): each (key block, kv head) is shared by that many programs, each
     taking Hq / Hkv / group_split of the group's query heads; their fp32 dK / dV partials are
     summed by a small kernel (default ``default_group_split``; must divide Hq / Hkv).

@@ -324,7 +324,7 @@ if GLUON_AVAILABLE:
 # ------------------------------------------------------------------------------------------
 
 
-def gluon_forward_ineligible(q, k, v, is_causal, scale) -> Optional[str]:
+def why_not_gluon_forward(q, k, v, is_causal, scale) -> Optional[str]:
     """None when ``attention_forward_gluon`` covers this call, else the reason it does not."""
     if not GLUON_AVAILABLE:
         return _GLUON_WHY_NOT
@@ -398,7 +398,7 @@ def attention_forward_gluon(q, k, v, *, is_causal: bool, scale: float, variant=N
     """(out (B, Hq, Lq, D) in q's dtype, lse (B, Hq, Lq) fp32 natural log). ``variant``: a name
     in VARIANTS, a GluonFwdVariant, or None (DEFAULT_VARIANTS by head dim). ``out`` / ``lse``:
     optional preallocated contiguous outputs (tests poison them to catch unwritten elements)."""
-    why = gluon_forward_ineligible(q, k, v, is_causal, scale)
+    why = why_not_gluon_forward(q, k, v, is_causal, scale)
     if why is not None:
         raise ValueError(f"Gluon forward not applicable: {why}")
     import torch

@@ -91,17 +91,34 @@ def check_inputs(q, k, v, bias) -> None:
                          f"(P, {Hq}, {Lq}, {Lk}) with P dividing B), got {tuple(bias.shape)}")
 
 
+def check_dropout(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor) -> None:
+    """dropout_p in [0, 1) and, when > 0, a seed of one int64 on q's device: the errors the op
+    (ops/attention.py), the launchers and the kernels' reference all raise, from here."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"fuse_plugin::attention: dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p == 0.0:
+        return
+    if seed is None:
+        raise ValueError(
+            "fuse_plugin::attention: dropout_p > 0 needs dropout_seed (one int64 on q's device, "
+            "e.g. fuse_plugin.ops.attention.new_dropout_seed(q.device))")
+    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != q.device:
+        raise ValueError(
+            f"fuse_plugin::attention: dropout_seed must be one int64 on {q.device}, got "
+            f"{seed.dtype} of shape {tuple(seed.shape)} on {seed.device}")
+
+
+def check_softcap(softcap: float) -> None:
+    """softcap: a finite number >= 0 (0 = off)."""
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"fuse_plugin::attention: softcap must be a finite number >= 0 (0 = off), got {softcap}")
+
+
 def dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor):
     """(Seed, drop_thresh, inv_keep, DROPOUT) kernel arguments; see ``_dropout_keep``."""
+    check_dropout(dropout_p, seed, q)
     if dropout_p == 0.0:
         return q, 0, 1.0, False
-    if not 0.0 < dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if seed is None:
-        raise ValueError("dropout_p > 0 needs a dropout_seed tensor (one int64 on q's device)")
-    if seed.dtype != torch.int64 or seed.numel() != 1 or seed.device != q.device:
-        raise ValueError(f"dropout_seed must be one int64 on {q.device}, got {seed.dtype} "
-                         f"{tuple(seed.shape)} on {seed.device}")
     return seed, dropout_threshold(dropout_p), dropout_scale(dropout_p), True
 
 
@@ -114,10 +131,9 @@ def _softcap_args(kind: int, scale: float, softcap: float) -> tuple[float, float
     """(score_scale, cap, SOFTCAP) kernel arguments. With a softcap c the kernels compute
     t = tanh(qk · scale / c) and the score cap · t, cap = c in the kernel's units (see
     ``score_scale``); the backward multiplies dS by 1 - t² (``_capped_scores``)."""
+    check_softcap(softcap)
     if not softcap:
         return score_scale(kind, scale), 1.0, False
-    if not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a finite number >= 0 (0 = off), got {softcap}")
     return scale / softcap, score_scale(kind, 1.0) * softcap, True
 
 

@@ -145,7 +145,7 @@ def entry_to_config(entry) -> Optional[tuple]:
 
 
 def tma_key(key: str) -> bool:
-    """Whether the TMA kernels cover a key's problems (see attention._tma_ineligible)."""
+    """Whether the TMA kernels cover a key's problems (see attention_hopper.why_not_tma)."""
     p = parse_key(key)
     return p["dtype"] in ("fp16", "bf16") and p["mask"] == "none" and p["dbucket"] in (64, 128)
 

@@ -48,12 +48,12 @@ leaves a softcapped attention alone (patterns/rope_attention.py).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..kernels.call import check_dropout, check_softcap  # (imports no Triton kernel)
 from ..kernels.host import in_layout_of, layout_like
 from . import _dispatch, inductor, reference
 
@@ -67,29 +67,6 @@ def _kernels():
 def _runs_kernel(q: Tensor, v: Tensor) -> bool:
     """The Triton kernels take head dims 16..256 (tl.dot needs 16); smaller ones use the reference."""
     return _dispatch.runs_triton(q) and 16 <= q.shape[-1] <= 256 and 16 <= v.shape[-1] <= 256
-
-
-def check_dropout(dropout_p: float, dropout_seed: Optional[Tensor], q: Tensor) -> None:
-    """Errors that name the problem; the kernels and the reference trust these."""
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"fuse_plugin::attention: dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p == 0.0:
-        return
-    if dropout_seed is None:
-        raise ValueError(
-            "fuse_plugin::attention: dropout_p > 0 needs dropout_seed (one int64 on q's device, "
-            "e.g. fuse_plugin.ops.attention.new_dropout_seed(q.device))"
-        )
-    if dropout_seed.dtype != torch.int64 or dropout_seed.numel() != 1 or dropout_seed.device != q.device:
-        raise ValueError(
-            f"fuse_plugin::attention: dropout_seed must be one int64 on {q.device}, got "
-            f"{dropout_seed.dtype} of shape {tuple(dropout_seed.shape)} on {dropout_seed.device}"
-        )
-
-
-def check_softcap(softcap: float) -> None:
-    if not (softcap >= 0.0 and math.isfinite(softcap)):
-        raise ValueError(f"fuse_plugin::attention: softcap must be a finite number >= 0 (0 = off), got {softcap}")
 
 
 def check_replace(replace: Optional[Tensor], attn_bias: Optional[Tensor], q: Tensor, k: Tensor) -> None:

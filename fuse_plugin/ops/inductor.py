@@ -54,7 +54,7 @@ def _hinted(t: torch.Tensor) -> bool:
                for s in (*t.shape, *t.stride(), t.storage_offset()))
 
 
-def why_opaque(types, args, kwargs) -> Optional[str]:
+def why_not_decomposed(types, args, kwargs) -> Optional[str]:
     """None when the op may decompose into its launches here, else why it stays opaque."""
     if not enabled():
         return f"{ENV}=0"
@@ -79,7 +79,7 @@ def register(qualname: str, impl: Callable) -> None:
     from ..kernels import launch
 
     def rule(mode, op, types, args, kwargs):
-        why = why_opaque(types, args, kwargs)
+        why = why_not_decomposed(types, args, kwargs)
         if why is None:
             try:
                 with mode, launch.tracing():
