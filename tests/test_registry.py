@@ -192,3 +192,31 @@ def test_kernels_read_a_periodic_bias(family):
         check_close(name, g, t.grad, 1e-5)
     assert dbias.shape == (3, 2, 9, 9)
     check_close("dbias", dbias, whole.grad.view(2, 3, 2, 9, 9).sum(0), 1e-5)
+
+
+def test_windows_left_to_inductor_by_rule_where_unmeasured(monkeypatch):
+    """Swin's windows (<= 64 tokens, head dim <= 32, a float bias): on the GPU, with no table entry,
+    the measured rule leaves them to Inductor (the general kernels ran Swin-T at 0.46x stock); a
+    table entry decides instead; longer windows and the CPU take our op."""
+    from test_spellings import SWIN, shifted_window_mask, swin
+
+    from fuse_plugin.patterns import attention
+
+    sites = []
+
+    def backend(gm, example_inputs):
+        sites.extend(attention.match_attention(n) for n in gm.graph.nodes if attention._is_softmax(n))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x, m: swin(SWIN, x, m), backend=backend)(torch.randn(8, 16, 64), shifted_window_mask())
+    (site,) = sites
+    assert choice._rule(site) == choice._WINDOW_RULE
+    assert choice.decide(site).ours  # the CPU: no rule, no table
+    key, mode, _ = choice.class_of(site)
+    monkeypatch.setattr(choice, "class_of", lambda s: (key, mode, torch.device("cuda")))
+    monkeypatch.setattr(choice_table, "lookup", lambda device, k: None)
+    assert choice.decide(site) == choice.Decision(False, choice._WINDOW_RULE)
+    measured = {"fwd": {"small": 1.0}, "bwd": {"small": 2.0}, "inductor": {"fwd": 2.0, "train": 5.0}}
+    monkeypatch.setattr(choice_table, "lookup", lambda device, k: measured)
+    assert choice.decide(site).ours  # the table: ours 1 + 2 < Inductor's 5

@@ -7,8 +7,9 @@ measurements: the shipped choice table (kernels/choice_table.py, `python -m fuse
 --choices`) holds, per problem class (dtype, head dims, lengths, bias form, causal, dropout), the
 time of each of our kernel families and of Inductor's decomposition, forward alone (inference)
 and forward + backward (training). Our op is taken unless Inductor was measured faster for the
-site's class; where the class was not measured (and off the GPU) our op is taken, as every
-family's own rules were measured faster than the decomposition where they apply (RESULTS.md).
+site's class. Where the class was not measured: a measured rule (``_rule``: Swin-T's windows,
+which our general kernels ran at 0.46x stock compile) or else our op, as every family's own rules
+were measured faster than the decomposition where they apply (RESULTS.md); off the GPU, our op.
 
 An SDPA call site (patterns/sdpa.py) is weighed against SDPA itself (`decide_sdpa`): it becomes our
 op only where that was measured faster for its class, and stays SDPA where nothing was measured.
@@ -105,7 +106,30 @@ def decide(site) -> Decision:
     if how == "inductor":
         return Decision(False, f"left to Inductor ({settings.SITE_CHOICE}=inductor)")
     key, mode, device = class_of(site)
-    return decide_from(choice_table.lookup(device, key), mode, key)
+    times = choice_table.lookup(device, key)
+    if times is None and device.type == "cuda":
+        rule = _rule(site)
+        if rule is not None:
+            return Decision(False, rule)
+    return decide_from(times, mode, key)
+
+
+# Measured rules, for classes the choice table does not hold (on the GPU). Each says where it
+# was measured. Swin-T's windows (issue 28, H100, torch 2.11, bf16, 2026-11-25): 49 tokens, head
+# dim 32, a learned relative-position bias and the shift mask; the general kernels took 9.35 ms of
+# a step whose whole stock-compiled GPU time was 5.59 ms: the model ran at 0.46x stock compile.
+_WINDOW_RULE = ("left to Inductor by rule: windows of <= 64 tokens, head dim <= 32, with a float bias "
+                "(Swin-T at 0.46x stock compile with our general kernels; issue 28, H100, 2026-11-25); "
+                "the choice table decides once it measures this class")
+
+
+def _rule(site) -> Optional[str]:
+    """The measured rule that leaves an unmeasured site to Inductor, if one applies."""
+    qv, kv = site.q.value(), site.k.value()
+    small = _hint(qv.shape[-2]) <= 64 and _hint(kv.shape[-2]) <= 64 and _hint(qv.shape[-1]) <= 32
+    if small and _bias_form(site) in ("float", "periodic"):
+        return _WINDOW_RULE
+    return None
 
 
 def decide_from(times: Optional[dict], mode: str, key: Optional[str]) -> Decision:
