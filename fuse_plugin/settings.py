@@ -12,7 +12,7 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_ATTENTION_TABLE | (shipped), a path, off | the launch-config (tiles) table: the shipped one, another JSON file, or none (heuristic tiles) | kernels/tuning.py |
 | FUSE_PLUGIN_CHOICE_TABLE | (shipped), a path, off | the measured times the kernel families and the site choice read: shipped, another file, or none | kernels/choice_table.py |
 | FUSE_PLUGIN_ATTENTION_FAMILY | auto, a family name | every attention call runs this kernel family (kernels/registry.py names them); auto: chosen per problem | kernels/registry.py |
-| FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor | a matched site: our op unless measured slower than the alternative — stock Inductor for a hand-written one, SDPA itself for an SDPA call — (auto), always ours, or never | patterns/choice.py |
+| FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor, sdpa | a matched site: the fastest measured of our op, the site as it is (Inductor's for a hand-written one, SDPA itself for an SDPA call) and, for a hand-written one, an SDPA call in its place (auto); always our op; never (left as written); or an SDPA call wherever the site can be one (sdpa; else our op) | patterns/choice.py |
 | FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
 
 Booleans take ``1 true on yes`` and ``0 false off no``, in any case; choices take their listed
@@ -155,10 +155,10 @@ def attention_family() -> Optional[str]:
 
 def site_choice() -> str:
     """What the rewrite does with a matched attention site (`FUSE_PLUGIN_SITE_CHOICE`): "auto"
-    (the default: our op, unless measured slower than leaving the site to Inductor,
-    patterns/choice.py), "ours" (always our op) or "inductor" (never: every site left as it is,
-    reported)."""
-    return choice(SITE_CHOICE, ("auto", "ours", "inductor"), "auto")
+    (the default: the fastest measured way, patterns/choice.py), "ours" (always our op),
+    "inductor" (never: every site left as it is, reported) or "sdpa" (a hand-written site becomes
+    an SDPA call where it can be one, else our op; SDPA call sites stay as they are)."""
+    return choice(SITE_CHOICE, ("auto", "ours", "inductor", "sdpa"), "auto")
 
 
 def sdpa_sites() -> bool:

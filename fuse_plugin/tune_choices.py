@@ -261,25 +261,29 @@ def inductor_times(case, scale, q, k, v, bias, mask, learned, timed: bool = True
 def sdpa_times(case, scale, q, k, v, bias, learned, timed: bool = True) -> dict:
     """F.scaled_dot_product_attention on the class's problem: forward (no_grad) and forward +
     backward, in microseconds; {} where SDPA takes no such problem. A window-periodic bias is
-    given materialised (B, H, Lq, Lk), as timm's fused path builds it."""
+    materialised (B, H, Lq, Lk) inside the timed call, as timm's fused path and a hand-written
+    site rewritten into SDPA (patterns/attention._sdpa_call) build it."""
     import torch
     import torch.nn.functional as F
 
     from .ops.attention import whole_bias
 
-    if bias is not None and case.bias == "periodic":
-        bias = whole_bias(bias, q, k)
+    periodic = bias is not None and case.bias == "periodic"
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     b = None if bias is None else bias.detach().requires_grad_(learned)
-    kw = dict(attn_mask=b, dropout_p=case.dropout, is_causal=case.causal, scale=scale,
-              enable_gqa=q.shape[1] != k.shape[1])
+    kw = dict(dropout_p=case.dropout, is_causal=case.causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     bench = device_us if timed else (lambda fn: (fn(), 0.0)[1])
     dout = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], device=q.device, dtype=q.dtype)
     grads_of = leaves + ([b] if learned else [])
+
+    def call():
+        mask = whole_bias(b, q, k) if periodic else b
+        return F.scaled_dot_product_attention(*leaves, attn_mask=mask, **kw)
+
     try:
         with torch.no_grad():
-            fwd = bench(lambda: F.scaled_dot_product_attention(*leaves, **kw))
-        train = bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(*leaves, **kw), grads_of, dout))
+            fwd = bench(call)
+        train = bench(lambda: torch.autograd.grad(call(), grads_of, dout))
     except RuntimeError:  # (no backend takes it)
         return {}
     return {"fwd": round(fwd, 2), "train": round(train, 2)}

@@ -21,6 +21,9 @@
   repeat_interleave or repeat_kv. Eager is SDPA's math backend (rows masked everywhere give 0;
   the CPU flash kernel's backward zeroes a float64 row biased by finfo.min everywhere, which its
   forward and the math give uniform weights); the rewrite runs with FUSE_PLUGIN_SITE_CHOICE=ours;
+* the route: one case in seven of the others (seed % 7 == 2) is rewritten with
+  FUSE_PLUGIN_SITE_CHOICE=sdpa, a hand-written site becoming an SDPA call where it can be one
+  (patterns/attention._sdpa_call: masks folded into one attn_mask, eager's NaN rows restored);
 * mutants, which are not attention and must be left alone (0 fused sites in the rewrite's
   report): softmax over dim -2, weights changed before the product with v (scaled, squared,
   flipped, shifted), weights or scores also used elsewhere, a fill with 0 (not a mask value), a
@@ -83,6 +86,7 @@ class Case:
     gqa: str  # none | repeat_interleave | repeat_kv | enable_gqa (sdpa)
     pv: str  # matmul | einsum | bmm
     variant: str = "none"  # a mutant, a positive extra, or none
+    route: str = "ours"  # ours | sdpa (FUSE_PLUGIN_SITE_CHOICE for the rewrite)
 
     @property
     def mutant(self) -> bool:
@@ -92,7 +96,8 @@ class Case:
         masks = " then ".join(f"{m.kind}:{m.spelling}({m.value:g})" for m in self.masks) or "no mask"
         return (f"seed={self.seed} {str(self.dtype)[6:]} B{self.b} H{self.h}/{self.hkv} Lq{self.lq} Lk{self.lk} "
                 f"D{self.d} Dv{self.dv} {self.layout} {self.product} scale={self.scale} [{masks}] "
-                f"softmax={self.softmax} dropout={self.dropout} gqa={self.gqa} pv={self.pv} variant={self.variant}")
+                f"softmax={self.softmax} dropout={self.dropout} gqa={self.gqa} pv={self.pv} variant={self.variant}"
+                + (f" route={self.route}" if self.route != "ours" else ""))
 
 
 def make_case(seed: int) -> Case:
@@ -139,6 +144,8 @@ def make_case(seed: int) -> Case:
         case.product = "sdpa"
         if gqa != "none" and seed % 10 == 1:
             case.gqa = "enable_gqa"
+    elif seed % 7 == 2:  # (no draw either)
+        case.route = "sdpa"
     return case
 
 
@@ -397,7 +404,9 @@ def run_case(case: Case) -> Result:
     with sdpa_kernel([SDPBackend.MATH]):  # SDPA cases: its exact math (the CPU flash kernel's backward
         ref = eager(*inputs)  # drops float64 rows biased by finfo.min, which its forward keeps)
     old = os.environ.get("FUSE_PLUGIN_SITE_CHOICE")
-    os.environ["FUSE_PLUGIN_SITE_CHOICE"] = "ours"  # every SDPA call to our op (nothing measured here)
+    # every site to our op (nothing is measured here), or with the "sdpa" route each hand-written one
+    # that can be to an SDPA call
+    os.environ["FUSE_PLUGIN_SITE_CHOICE"] = "sdpa" if case.route == "sdpa" else "ours"
     try:
         out = torch.compile(ours_m, backend=backend)(*ours_in)
     finally:

@@ -138,7 +138,7 @@ def test_sites_left_to_inductor_give_eager_numbers(monkeypatch, site_choice, fus
 
 def test_bad_site_choice(monkeypatch):
     monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "sometimes")
-    with pytest.raises(ValueError, match="FUSE_PLUGIN_SITE_CHOICE must be one of auto, ours, inductor"):
+    with pytest.raises(ValueError, match="FUSE_PLUGIN_SITE_CHOICE must be one of auto, ours, inductor, sdpa"):
         fuse_plugin.settings.site_choice()
 
 

@@ -1148,9 +1148,24 @@ def _needs_eager_strides(output: fx.Node) -> bool:
     return False
 
 
-def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
-    """Build the plan `site`: the carried masks, then the op; the op takes over the uses of the
-    output, and the dead matched nodes are erased. Returns the detail for the report."""
+def why_not_sdpa(site: AttentionSite) -> Optional[str]:
+    """Why `site` cannot become an SDPA call computing what eager does (None: it can): SDPA has no
+    softcap and no replace mask (a finite fill next to other terms), and its causal mask and
+    window-periodic bias are built at static sizes."""
+    if site.softcap:
+        return "a softcap"
+    if any(isinstance(p, MaskFill) and p.value != -math.inf for p in site.bias_parts):
+        return "a finite fill (the op's replace mask)"
+    values = [site.q.value(), site.k.value()]
+    if any(not isinstance(n, int) for t in values for n in t.shape):
+        return "dynamic shapes"
+    return None
+
+
+def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = False) -> str:
+    """Build the plan `site`: the carried masks, then the op (with `as_sdpa`: an SDPA call, see
+    `_sdpa_call`); it takes over the uses of the output, and the dead matched nodes are erased.
+    Returns the detail for the report."""
     b = NodeBuilder(gm.graph, site.output, site.softmax, ctx.get("fake_mode"))
     try:
         bias_parts = _build_carried(b, site)
@@ -1163,20 +1178,11 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
         bias_dtype = torch.float64 if dtype(site.scores) == torch.float64 else torch.float32
         memo = ctx.setdefault("bias_memo", {})
         bias, bias_kind = build_bias(b, bias_parts, memo, bias_dtype)
-        replaced = replace_mask(b, bias_parts, memo)
-        seed = ()
-        if site.dropout_p:
-            # A fresh seed per call from torch's RNG: the op's forward and backward draw the same mask.
-            seed = (b.factory(site.q.node, torch.randint, 0, 2**62, (), dtype=torch.int64,
-                              device=device_of(site.q.node)),)
-        extra = {"softcap": float(site.softcap)} if site.softcap else {}
-        if replaced is not None:  # scores a finite fill replaced are the bias alone (attention_bias.py)
-            extra["replace"] = replaced
-        op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
-                        **extra)
-        out = b.function(operator.getitem, op, 0)
-        if site.safe:  # _safe_softmax / SDPA: 0 in the rows whose every score is -inf
-            out = _zero_dead_rows(b, op, out)
+        replaced = None if as_sdpa else replace_mask(b, bias_parts, memo)
+        if as_sdpa:
+            out = _sdpa_call(b, site, q, k, v, bias)
+        else:
+            out = _op_call(b, site, q, k, v, bias, replaced)
         for _ in range(4 - site.rank):
             out = b.method("squeeze", out, 0)
         for m, *a in site.out_ops:
@@ -1211,15 +1217,70 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict) -> str:
     if site.kv_groups > 1:
         parts.append(f"GQA: k/v un-repeated ({site.kv_groups} q heads per kv head)")
     if site.dropout_p:
-        parts.append(f"dropout p={site.dropout_p:g} in the kernel")
+        parts.append(f"dropout p={site.dropout_p:g} " + ("in SDPA" if as_sdpa else "in the kernel"))
     if site.softcap:
         parts.append(f"softcap={site.softcap:g}")
     if site.rank < 4:
         parts.append(f"{site.rank}-D")
     if site.safe:
         parts.append("_safe_softmax: rows masked everywhere give 0")
+    if as_sdpa:
+        parts.append("an SDPA call in its place")
     parts += site.notes
     return ", ".join(parts)
+
+
+def _op_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, replaced) -> fx.Node:
+    """Our op's output for the site (dropout's seed drawn, the softcap and replace mask passed)."""
+    seed = ()
+    if site.dropout_p:
+        # A fresh seed per call from torch's RNG: the op's forward and backward draw the same mask.
+        seed = (b.factory(site.q.node, torch.randint, 0, 2**62, (), dtype=torch.int64,
+                          device=device_of(site.q.node)),)
+    extra = {"softcap": float(site.softcap)} if site.softcap else {}
+    if replaced is not None:  # scores a finite fill replaced are the bias alone (attention_bias.py)
+        extra["replace"] = replaced
+    op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
+                    **extra)
+    out = b.function(operator.getitem, op, 0)
+    if site.safe:  # _safe_softmax / SDPA: 0 in the rows whose every score is -inf
+        out = _zero_dead_rows(b, op, out)
+    return out
+
+
+# SDPA calls the rewrite itself emits (an SDPA call site's rewrite leaves them alone)
+EMITTED = "fuse_plugin_emitted"
+
+
+def _sdpa_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias) -> fx.Node:
+    """An SDPA call computing the site as eager does (where it was measured fastest, choice.py):
+    the bias as its attn_mask (a window-periodic one repeated over the batch; a float one in q's
+    dtype, as SDPA takes it), a causal mask next to a bias folded into it (SDPA takes one or the
+    other), k/v un-repeated with enable_gqa. Rows masked everywhere: eager's NaN (SDPA gives 0),
+    unless the site was a _safe_softmax; their gradients are SDPA's (finite where eager's are NaN).
+    Dropout draws SDPA's own mask. The extra work (the periodic bias's copy, timed with SDPA in
+    the table; the dead-row test, one read of the mask) is small beside the attention."""
+    qv, kv = example_value(q), example_value(k)
+    causal = site.is_causal
+    if bias is not None and site.period:
+        bias = b.method("repeat", bias, qv.shape[0] // site.period, 1, 1, 1)
+    if bias is not None and causal:
+        keep = b.method("tril", b.factory(site.q.node, torch.ones, qv.shape[-2], kv.shape[-2], dtype=torch.bool,
+                                          device=device_of(site.q.node)))
+        bias = (b.function(torch.logical_and, bias, keep) if dtype(bias) == torch.bool
+                else b.function(torch.where, keep, bias, -math.inf))
+        causal = False
+    if bias is not None and dtype(bias) != torch.bool and dtype(bias) != qv.dtype:
+        bias = b.method("to", bias, qv.dtype)
+    out = b.function(torch.nn.functional.scaled_dot_product_attention, q, k, v, attn_mask=bias,
+                     dropout_p=site.dropout_p, is_causal=causal, scale=float(site.scale),
+                     enable_gqa=site.kv_groups > 1)
+    out.meta[EMITTED] = True
+    if bias is not None and not site.safe:  # eager: NaN in rows whose every score is masked
+        dead = (b.function(torch.logical_not, b.method("any", bias, -1, True)) if dtype(bias) == torch.bool
+                else b.method("all", b.function(torch.isneginf, bias), -1, True))
+        out = b.function(torch.where, dead, math.nan, out)
+    return out
 
 
 def _zero_dead_rows(b: NodeBuilder, op: fx.Node, out: fx.Node) -> fx.Node:
@@ -1283,7 +1344,7 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
             if not decision.ours:
                 report.left_as_is(KIND, sm, decision.reason)
                 continue
-            detail = replace(gm, site, ctx)
+            detail = replace(gm, site, ctx, as_sdpa=decision.as_sdpa)
             report.replaced(KIND, sm, detail + (f"; {decision.reason}" if decision.reason else ""))
         except Exception as e:  # noqa: BLE001  (never break compile: leave this site as it was)
             log.warning("fuse_plugin: attention at %s left unfused after an internal error", sm.name, exc_info=True)

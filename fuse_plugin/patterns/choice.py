@@ -1,21 +1,30 @@
-"""Which implementation takes a matched attention site: our op, or the site left as it is.
+"""Which implementation takes a matched attention site: our op, an SDPA call, or the site as it is.
 
-The matcher (attention.py) finds a site; before anything is replaced, `decide` says whether our op
-takes it or the site stays as the user wrote it, for Inductor to fuse as stock compile does (its
-bmm + fused softmax + bmm). The decision is made once per site, while the graph compiles, from
-measurements: the shipped choice table (kernels/choice_table.py, `python -m fuse_plugin.tune
---choices`) holds, per problem class (dtype, head dims, lengths, bias form, causal, dropout), the
-time of each of our kernel families and of Inductor's decomposition, forward alone (inference)
-and forward + backward (training). Our op is taken unless Inductor was measured faster for the
-site's class. Where the class was not measured: a measured rule (``_rule``: Swin-T's windows,
-which our general kernels ran at 0.46x stock compile) or else our op, as every family's own rules
-were measured faster than the decomposition where they apply (RESULTS.md); off the GPU, our op.
+The matcher (attention.py) finds a site; before anything is replaced, `decide` says which way it
+goes. The decision is made once per site, while the graph compiles, from measurements: the
+shipped choice table (kernels/choice_table.py, `python -m fuse_plugin.tune --choices`) holds, per
+problem class (dtype, head dims, lengths, bias form, causal, dropout), the time of each of our
+kernel families, of Inductor's decomposition and of SDPA, forward alone (inference) and forward +
+backward (training). The fastest takes the site:
+
+* our op (attention.replace);
+* the site left as the user wrote it, for Inductor to fuse as stock compile does (its bmm + fused
+  softmax + bmm);
+* an SDPA call in its place (attention.replace(..., as_sdpa=True)), where the site can be one (no
+  softcap or finite fill, attention.why_not_sdpa) -- e.g. timm's windows, whose fused path is
+  SDPA, or dropout, which cuDNN runs faster than our kernels.
+
+Where the class was not measured: a measured rule (``_rule``: Swin-T's windows, which our general
+kernels ran at 0.46x stock compile, are left to Inductor) or else our op, as every family's own
+rules were measured faster than the decomposition where they apply (RESULTS.md); off the GPU, our
+op.
 
 An SDPA call site (patterns/sdpa.py) is weighed against SDPA itself (`decide_sdpa`): it becomes our
 op only where that was measured faster for its class, and stays SDPA where nothing was measured.
 
 `FUSE_PLUGIN_SITE_CHOICE` (settings.site_choice): "ours" takes every site (CI's CPU tests),
-"inductor" none.
+"inductor" none, "sdpa" makes every hand-written site that can be one an SDPA call (the fuzzer's
+check of that rewrite).
 """
 from __future__ import annotations
 
@@ -32,8 +41,9 @@ from .canon import example_value, shape
 
 @dataclass
 class Decision:
-    ours: bool  # our op takes the site (else it is left to Inductor)
+    ours: bool  # the site is rewritten (else it is left as it is: to Inductor, or as SDPA)
     reason: str  # for explain / TORCH_LOGS; "" where there is nothing to say
+    as_sdpa: bool = False  # rewritten into an SDPA call (measured faster than our op and Inductor)
 
 
 def _hint(n) -> int:
@@ -99,19 +109,25 @@ def ours_time(times: dict, mode: str) -> Optional[tuple[float, str]]:
 
 
 def decide(site) -> Decision:
-    """Our op or Inductor for a matched site (module doc)."""
+    """Our op, an SDPA call or Inductor for a matched hand-written site (module doc)."""
     how = settings.site_choice()
     if how == "ours":
         return Decision(True, "")
     if how == "inductor":
         return Decision(False, f"left to Inductor ({settings.SITE_CHOICE}=inductor)")
+    from .attention import why_not_sdpa  # (attention.py imports this module)
+
+    no_sdpa = why_not_sdpa(site)
+    if how == "sdpa":
+        return Decision(True, f"as SDPA ({settings.SITE_CHOICE}=sdpa)", as_sdpa=True) if no_sdpa is None \
+            else Decision(True, f"our op: no SDPA call computes {no_sdpa}")
     key, mode, device = class_of(site)
     times = choice_table.lookup(device, key)
     if times is None and device.type == "cuda":
         rule = _rule(site)
         if rule is not None:
             return Decision(False, rule)
-    return decide_from(times, mode, key)
+    return decide_from(times, mode, key, sdpa_ok=no_sdpa is None)
 
 
 # Measured rules, for classes the choice table does not hold (on the GPU). Each says where it
@@ -132,14 +148,26 @@ def _rule(site) -> Optional[str]:
     return None
 
 
-def decide_from(times: Optional[dict], mode: str, key: Optional[str]) -> Decision:
+def decide_from(times: Optional[dict], mode: str, key: Optional[str], sdpa_ok: bool = False) -> Decision:
     """The decision for a hand-written site of a class measured as ``times``
-    (choice_table.lookup; None: not measured) in ``mode`` ("fwd": inference, "train"): our op
-    unless Inductor was measured faster."""
+    (choice_table.lookup; None: not measured) in ``mode`` ("fwd": inference, "train"): the
+    fastest of our op, Inductor's decomposition and (``sdpa_ok``: the site can be one,
+    attention.why_not_sdpa) an SDPA call."""
     inductor = (times or {}).get(choice_table.INDUCTOR, {}).get(mode)
+    sdpa = (times or {}).get(choice_table.SDPA, {}).get(mode) if sdpa_ok else None
     ours = ours_time(times, mode) if times else None
-    if inductor is None or ours is None:
+    if ours is None or (inductor is None and sdpa is None):
         return Decision(True, "")
+    us, families = ours
+    others = {name: t for name, t in (("Inductor", inductor), ("SDPA", sdpa)) if t is not None}
+    best = min(others, key=others.get)
+    if others[best] >= us:
+        return _versus(ours, others[best], best, mode, key)
+    where = f"{mode}, {key}"
+    if best == "SDPA":
+        return Decision(True, f"as SDPA: SDPA measured {us / sdpa:.2f}x faster ({sdpa:.1f} vs {us:.1f} us for "
+                              f"{families}" + (f", Inductor {inductor:.1f}" if inductor is not None else "")
+                              + f"; {where})", as_sdpa=True)
     return _versus(ours, inductor, "Inductor", mode, key)
 
 
@@ -149,8 +177,8 @@ def decide_sdpa(site) -> Decision:
     how = settings.site_choice()
     if how == "ours":
         return Decision(True, "")
-    if how == "inductor":
-        return Decision(False, f"left as SDPA ({settings.SITE_CHOICE}=inductor)")
+    if how in ("inductor", "sdpa"):
+        return Decision(False, f"left as SDPA ({settings.SITE_CHOICE}={how})")
     key, mode, device = class_of(site)
     return decide_sdpa_from(choice_table.lookup(device, key), mode, key)
 

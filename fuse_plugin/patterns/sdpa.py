@@ -159,7 +159,7 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
     it is; each reported (fused, left with the measurement, or not read with the reason)."""
     if not settings.sdpa_sites():
         return
-    calls = [n for n in gm.graph.nodes if is_sdpa(n)]
+    calls = [n for n in gm.graph.nodes if is_sdpa(n) and not n.meta.get(attention.EMITTED)]
     ctx: dict = {"fake_mode": graph_fake_mode(gm)}
     for node in calls:
         try:

@@ -1,0 +1,253 @@
+"""SDPA as a candidate for hand-written attention sites (patterns/choice.py, attention._sdpa_call).
+
+Where the choice table measured SDPA fastest for a site's class (timm's windows, whose fused path
+is SDPA; cuDNN's dropout), the rewrite puts an SDPA call in the site's place instead of our op.
+Here the table is a synthetic one (no GPU): the decision itself (fastest of ours / Inductor /
+SDPA, SDPA only where the site can be one), then parity of the emitted call with eager — outputs
+and every gradient in float64 — for each form it handles: plain, causal with a padding mask,
+a float bias with rows masked everywhere (eager's NaN kept), Swin's window-periodic bias,
+hand-written GQA; a dropout site's graph; and the sites SDPA cannot compute (softcap, a finite
+fill), which keep our op."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import rewrite_aot_eager
+from test_attention_patterns import repeat_kv
+
+import fuse_plugin  # noqa: F401  (registers the ops)
+from fuse_plugin.kernels import choice_table
+from fuse_plugin.patterns import Report, attention, choice, rewrite
+
+SDPA_FASTEST = {"fwd": {"general": 10.0}, "bwd": {"general": 20.0},
+                "inductor": {"fwd": 12.0, "train": 40.0}, "sdpa": {"fwd": 5.0, "train": 15.0}}
+
+
+# --------------------------------------------------------------------------- the decision
+
+
+def test_decide_from_takes_the_fastest_of_three():
+    t = SDPA_FASTEST
+    d = choice.decide_from(t, "fwd", "k", sdpa_ok=True)
+    assert d.ours and d.as_sdpa and d.reason.startswith("as SDPA: SDPA measured 2.00x faster")
+    d = choice.decide_from(t, "train", "k", sdpa_ok=True)  # 15 < 30 (ours) < 40 (Inductor)
+    assert d.ours and d.as_sdpa
+    # the site cannot be an SDPA call: ours (10) against Inductor (12)
+    d = choice.decide_from(t, "fwd", "k", sdpa_ok=False)
+    assert d.ours and not d.as_sdpa and "than Inductor" in d.reason
+    # Inductor fastest: left to it
+    t2 = dict(t, inductor={"fwd": 4.0, "train": 10.0})
+    d = choice.decide_from(t2, "fwd", "k", sdpa_ok=True)
+    assert not d.ours and not d.as_sdpa and d.reason.startswith("left to Inductor")
+    # ours fastest: ours, against the faster of the two others
+    t3 = dict(t, sdpa={"fwd": 11.0, "train": 45.0})
+    d = choice.decide_from(t3, "fwd", "k", sdpa_ok=True)
+    assert d.ours and not d.as_sdpa and "than SDPA" in d.reason
+    # SDPA measured but not Inductor (an SDPA-only entry) still counts
+    d = choice.decide_from({"fwd": t["fwd"], "bwd": t["bwd"], "sdpa": t["sdpa"]}, "fwd", "k", sdpa_ok=True)
+    assert d.as_sdpa
+    assert choice.decide_from(None, "fwd", "k", sdpa_ok=True) == choice.Decision(True, "")
+
+
+# --------------------------------------------------------------------------- the rewrite
+
+
+@pytest.fixture
+def sdpa_measured_fastest(monkeypatch):
+    """Every site's class measured as SDPA_FASTEST on a (pretended) GPU."""
+    monkeypatch.delenv("FUSE_PLUGIN_SITE_CHOICE", raising=False)
+    real = choice.class_of
+
+    def class_of(site):
+        key, mode, _ = real(site)
+        return key, mode, torch.device("cuda")
+
+    monkeypatch.setattr(choice, "class_of", class_of)
+    monkeypatch.setattr(choice_table, "lookup", lambda device, key: SDPA_FASTEST)
+
+
+def rewritten(fn, *args):
+    """(the rewritten graph's call targets, the report) for fn(*args)."""
+    out = {}
+
+    def backend(gm, example_inputs):
+        out["report"] = rewrite(gm)
+        out["targets"] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    torch._dynamo.reset()
+    return out["targets"], out["report"]
+
+
+def check_parity(fn, *args, grads=True):
+    """fn compiled (rewrite + AOTAutograd) against eager: outputs (NaN where eager's are) and the
+    gradients of every float input, float64, where eager's are finite (a row masked everywhere
+    makes eager's gradients NaN over its head; SDPA's are finite there, ours too)."""
+    leaves = [a.detach().clone().requires_grad_(grads and a.is_floating_point()) for a in args]
+    want = fn(*leaves)
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend=rewrite_aot_eager)(*[a.detach().clone().requires_grad_(b.requires_grad)
+                                                         for a, b in zip(args, leaves)])
+    torch._dynamo.reset()
+    assert torch.equal(got.isnan(), want.isnan()), "NaN rows differ from eager's"
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=1e-9, atol=1e-9)
+    if not grads:
+        return
+    dout = torch.randn_like(want)
+    live = ~want.isnan()
+    want_g = torch.autograd.grad(want[live], [x for x in leaves if x.requires_grad], dout[live])
+    args2 = [a.detach().clone().requires_grad_(b.requires_grad) for a, b in zip(args, leaves)]
+    torch._dynamo.reset()
+    got_out = torch.compile(fn, backend=rewrite_aot_eager)(*args2)
+    torch._dynamo.reset()
+    got_g = torch.autograd.grad(got_out[live], [x for x in args2 if x.requires_grad], dout[live])
+    for g, w in zip(got_g, want_g):  # (eager's NaN from a row masked everywhere is not reproduced)
+        finite = w.isfinite()
+        torch.testing.assert_close(g[finite], w[finite], rtol=1e-9, atol=1e-9)
+        assert finite.any() and g.isfinite().all()
+
+
+def qkv(B=2, Hq=4, Hkv=4, L=8, D=16):
+    torch.manual_seed(0)
+    return (torch.randn(B, Hq, L, D, dtype=torch.float64), torch.randn(B, Hkv, L, D, dtype=torch.float64),
+            torch.randn(B, Hkv, L, D, dtype=torch.float64))
+
+
+def plain(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def causal_padding(q, k, v, keep):
+    L = q.shape[-2]
+    s = (q @ k.transpose(-2, -1)) * 0.3
+    s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+    s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def float_bias(q, k, v, bias):
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + bias, dim=-1) @ v
+
+
+def gqa(q, k, v):
+    n = q.shape[1] // k.shape[1]
+    return torch.softmax(q @ repeat_kv(k, n).transpose(-2, -1) * 0.25, dim=-1) @ repeat_kv(v, n)
+
+
+def softcapped(q, k, v):
+    s = q @ k.transpose(-2, -1) * 0.25
+    return torch.softmax(30.0 * torch.tanh(s / 30.0), dim=-1) @ v
+
+
+def finite_fill(q, k, v, keep):
+    s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep[:, None, None, :], -10000.0)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def dropped(q, k, v):
+    return F.dropout(torch.softmax(q @ k.transpose(-2, -1) * 0.25, dim=-1), 0.1, training=True) @ v
+
+
+def _fused(report: Report):
+    return [s.detail for s in report.sites if s.kind == attention.KIND]
+
+
+def test_plain_site_becomes_sdpa(sdpa_measured_fastest):
+    targets, report = rewritten(plain, *qkv())
+    assert F.scaled_dot_product_attention in targets
+    assert attention.ATTENTION_OP not in targets
+    (detail,) = _fused(report)
+    assert "an SDPA call in its place" in detail and "as SDPA: SDPA measured" in detail
+    check_parity(plain, *qkv())
+
+
+def test_causal_and_padding(sdpa_measured_fastest):
+    keep = torch.arange(8)[None, :] < torch.tensor([8, 5])[:, None]
+    targets, _ = rewritten(causal_padding, *qkv(), keep)
+    assert F.scaled_dot_product_attention in targets
+    check_parity(causal_padding, *qkv(), keep)
+
+
+def test_float_bias_with_dead_rows_keeps_eager_nan(sdpa_measured_fastest):
+    torch.manual_seed(1)
+    bias = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    bias[0, 1, 3] = float("-inf")  # a row masked everywhere: NaN in eager
+    bias[1, :, :, 6:] = float("-inf")
+    targets, _ = rewritten(float_bias, *qkv(), bias)
+    assert F.scaled_dot_product_attention in targets
+    check_parity(float_bias, *qkv(), bias)
+
+
+def test_hand_written_gqa(sdpa_measured_fastest):
+    args = qkv(Hq=4, Hkv=2)
+    targets, report = rewritten(gqa, *args)
+    assert F.scaled_dot_product_attention in targets
+    assert "GQA" in _fused(report)[0]
+    check_parity(gqa, *args)
+
+
+def test_swin_window_periodic_bias(sdpa_measured_fastest):
+    from test_spellings import WindowAttention, shifted_window_mask, swin
+
+    torch.manual_seed(0)
+    m = WindowAttention().double()
+    x = torch.randn(8, 16, 64, dtype=torch.float64)
+    mask = shifted_window_mask().double()
+    targets, report = rewritten(lambda x, mk: swin(m, x, mk), x, mask)
+    assert F.scaled_dot_product_attention in targets
+    assert "an SDPA call" in _fused(report)[0]
+    check_parity(lambda x, mk: swin(m, x, mk), x, mask)
+    # the module's parameters (the relative-position table) get their gradient too
+    torch._dynamo.reset()
+    torch.compile(lambda x, mk: swin(m, x, mk), backend=rewrite_aot_eager)(x, mask).sum().backward()
+    got = m.relative_position_bias_table.grad.clone()
+    m.zero_grad()
+    swin(m, x, mask).sum().backward()
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, m.relative_position_bias_table.grad, rtol=1e-9, atol=1e-9)
+
+
+def test_dropout_site_becomes_sdpa_with_its_p(sdpa_measured_fastest):
+    targets, report = rewritten(dropped, *qkv())
+    assert F.scaled_dot_product_attention in targets
+    assert "dropout p=0.1 in SDPA" in _fused(report)[0]
+    torch.manual_seed(0)
+    out = torch.compile(dropped, backend=rewrite_aot_eager)(*qkv())
+    torch._dynamo.reset()
+    assert out.shape == (2, 4, 8, 16) and out.isfinite().all()
+
+
+@pytest.mark.parametrize("fn", [softcapped, finite_fill])
+def test_sites_sdpa_cannot_compute_keep_our_op(sdpa_measured_fastest, fn):
+    keep = torch.arange(8)[None, :] < torch.tensor([8, 5])[:, None]
+    args = qkv() + ((keep,) if fn is finite_fill else ())
+    targets, report = rewritten(fn, *args)
+    assert F.scaled_dot_product_attention not in targets
+    assert attention.ATTENTION_OP in targets
+    assert "as SDPA" not in _fused(report)[0]
+    check_parity(fn, *args)
+
+
+def test_the_emitted_call_is_not_read_again_as_an_sdpa_site(sdpa_measured_fastest):
+    """patterns/sdpa.py skips the calls the attention rewrite emitted (one site, one report line)."""
+    _, report = rewritten(plain, *qkv())
+    assert [s.kind for s in report.sites] == [attention.KIND]
+    assert not [m for m in report.left + report.misses if m.kind == "sdpa"]
+
+
+def test_site_choice_sdpa_switch(monkeypatch):
+    """FUSE_PLUGIN_SITE_CHOICE=sdpa, no table: hand-written sites that can be become SDPA calls,
+    the others keep our op (with the reason), SDPA call sites stay SDPA."""
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "sdpa")
+    targets, report = rewritten(plain, *qkv())
+    assert F.scaled_dot_product_attention in targets and attention.ATTENTION_OP not in targets
+    assert "as SDPA (FUSE_PLUGIN_SITE_CHOICE=sdpa)" in _fused(report)[0]
+    targets, report = rewritten(softcapped, *qkv())
+    assert attention.ATTENTION_OP in targets
+    assert "our op: no SDPA call computes a softcap" in _fused(report)[0]
+    targets, report = rewritten(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), *qkv())
+    assert attention.ATTENTION_OP not in targets
+    assert [m.reason for m in report.left if m.kind == "sdpa"] == ["left as SDPA (FUSE_PLUGIN_SITE_CHOICE=sdpa)"]
