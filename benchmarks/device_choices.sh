@@ -18,13 +18,13 @@ CLASSES=$(python3 -c "from fuse_plugin.tune_choices import CLASSES; print(' '.jo
 i=0; declare -a part=("" "" "" "")
 for c in $CLASSES; do part[$((i % 4))]+="${part[$((i % 4))]:+,}$c"; i=$((i + 1)); done
 for p in "${part[@]}"; do
-  timeout 300 python3 -m fuse_plugin.tune --choices --warm --classes "$p" > "$OUT/warm_${p%%,*}.log" 2>&1 &
+  timeout 250 python3 -m fuse_plugin.tune --choices --warm --classes "$p" > "$OUT/warm_${p%%,*}.log" 2>&1 &
 done
 timeout 240 python3 -m pytest -q tests/test_attention_small.py tests/test_registry.py tests/test_attention_cudnn.py \
   tests/test_attention_kernel.py -k "small or registry or cudnn or tma or gluon or matches_reference" 2>&1 \
   | tee "$OUT/tests.log" | tail -4
 wait
 grep -h '"error"\|Traceback' "$OUT"/warm_*.log | head -5
-timeout 330 python3 -m fuse_plugin.tune --choices --out "$OUT/attention_choices_sm90.json" \
+timeout 300 python3 -m fuse_plugin.tune --choices --out "$OUT/attention_choices_sm90.json" \
   --log "$OUT/choices.jsonl" > "$OUT/choices.log" 2>&1
 tail -22 "$OUT/choices.log"

@@ -311,6 +311,12 @@ def main(args) -> int:
             measure_class(name, CLASSES[name], log, timed=False)
             log({"class": name, "warmed_s": round(time.time() - t0, 1)})
         return 0
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if table.get("format") != choice_table.FORMAT:
+        table = {"format": choice_table.FORMAT, "gpus": {}}
     entries = {}
     for name in names:
         case = CLASSES[name]
@@ -321,14 +327,9 @@ def main(args) -> int:
         entries[key] = dict(entry, name=name)
         log({"class": name, "key": key, "s": round(time.time() - t0, 1), **{
             p: entry[p] for p in ("fwd", "bwd", "inductor")}})
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    if table.get("format") != choice_table.FORMAT:
-        table = {"format": choice_table.FORMAT, "gpus": {}}
-    table["gpus"][gpu] = {"torch": torch.__version__, "entries": entries}
-    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+        # Written after every class: a run cut short by its time limit keeps what it measured.
+        table["gpus"][gpu] = {"torch": torch.__version__, "entries": entries}
+        path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(summary(entries))
     print(f"wrote {len(entries)} classes for {gpu} to {path}")
     return 0

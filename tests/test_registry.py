@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import check_close
+from helpers import DEVICE, check_close
 from torch._dynamo.utils import counters
 
 import fuse_plugin
@@ -145,11 +145,11 @@ def test_bad_site_choice(monkeypatch):
 # --------------------------------------------------------------------------- window-periodic bias
 
 
-def _periodic(B=6, P=3, H=2, L=9, D=16, dtype=torch.float32):
+def _periodic(B=6, P=3, H=2, L=9, D=16, dtype=torch.float32, device="cpu"):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(B, H, L, D, dtype=dtype, requires_grad=True) for _ in range(3))
-    rel = torch.randn(1, H, L, L, dtype=dtype, requires_grad=True)
-    mask = torch.where(torch.rand(P, 1, L, L) < 0.3, -100.0, 0.0).to(dtype)
+    q, k, v = (torch.randn(B, H, L, D, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    rel = torch.randn(1, H, L, L, dtype=dtype, device=device, requires_grad=True)
+    mask = torch.where(torch.rand(P, 1, L, L, device=device) < 0.3, -100.0, 0.0).to(dtype)
     return q, k, v, rel, mask
 
 
@@ -174,9 +174,10 @@ def test_op_window_periodic_bias_matches_repeated_bias():
 
 @pytest.mark.parametrize("family", ["general", "small"])
 def test_kernels_read_a_periodic_bias(family):
-    """Kernels in Triton's interpreter: the general family gets the bias materialised, the small
-    one reads it by period; dbias comes back summed over each window's batches."""
-    q, k, v, rel, mask = _periodic()
+    """The kernels (on the CPU in Triton's interpreter): the general family gets the bias
+    materialised, the small one reads it by period; dbias comes back summed over each window's
+    batches."""
+    q, k, v, rel, mask = _periodic(device=DEVICE)
     bias = (rel + mask).detach()
     with registry.forced(family):
         out, lse = K.attention_forward(q.detach(), k.detach(), v.detach(), bias, is_causal=False, scale=0.25)
@@ -198,6 +199,7 @@ def test_windows_left_to_inductor_by_rule_where_unmeasured(monkeypatch):
     """Swin's windows (<= 64 tokens, head dim <= 32, a float bias): on the GPU, with no table entry,
     the measured rule leaves them to Inductor (the general kernels ran Swin-T at 0.46x stock); a
     table entry decides instead; longer windows and the CPU take our op."""
+    pytest.importorskip("expecttest", reason="test_spellings (the Swin module) needs expecttest")
     from test_spellings import SWIN, shifted_window_mask, swin
 
     from fuse_plugin.patterns import attention

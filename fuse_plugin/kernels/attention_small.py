@@ -117,6 +117,7 @@ from .attention_tiles import (
     _scores,
     _store_tile,
 )
+from .attention_config import smem_limit
 from .call import dropout_args
 from .host import (FLOAT_BIAS, bias_args, bias_over_keys, cdiv, dot_precision, next_pow2, sm_count,
                    upcast_dot)
@@ -131,6 +132,8 @@ MIN_HEAD_DIM = 16
 # (``why_not``); beyond it the grid would be too short (e.g. a (1, H, L, L) bias of 4096
 # windows: H programs of 4096 units each).
 DETERMINISTIC_MAX_SLOT_UNITS = 64
+# Bytes of shared memory a pipeline stage takes beyond ``stage_bytes``'s tiles (1 KB was seen).
+STAGE_SLACK = 2048
 # default_config: aim for this many programs per SM, each with at most MAX_UNITS_PER_PROGRAM.
 PROGRAMS_PER_SM = 4
 MAX_UNITS_PER_PROGRAM = 16
@@ -449,13 +452,31 @@ def _dbias_slot_units(B: int, Hkv: int, Pd: int, Hd: int) -> int:
     return B // Pd * (Hkv if Hd == 1 else 1)
 
 
+def stage_bytes(direction: str, Lq: int, Lk: int, D: int, Dv: int, dtype: torch.dtype,
+                bias: Optional[torch.Tensor]) -> int:
+    """Shared memory one software-pipeline stage of a unit's loads takes: q, k, v (and dO, O in
+    the backward) as whole tiles, the bias tile (one row where it is per key), the lse row. On
+    the H200 (Triton 3.6) the compiler asked for ``num_stages`` times this within 1 KB a stage:
+    forward bf16 L 128 D 128 with a full bias, forward fp32 L 64 D 80, backward fp32 L 100 D 64
+    with key padding (262144, 344064, 331776 bytes). ``STAGE_SLACK`` more a stage is assumed."""
+    tq, tk, td, tdv = _tile(Lq), _tile(Lk), _tile(D), _tile(Dv)
+    n = (tq * td + tk * td + tk * tdv) * dtype.itemsize + 4 * tq
+    if direction == "bwd":
+        n += 2 * tq * tdv * dtype.itemsize  # dO, O
+    if bias is not None:
+        per_key = bias.dim() == 4 and (hint(bias.shape[2]) == 1 or hint(bias.stride(2)) == 0)
+        n += (tk if per_key else tq * tk) * bias.element_size()
+    return n + STAGE_SLACK
+
+
 def why_not(q, k, v, bias, *, dropout: bool = False, softcap: bool = False,
             replace: bool = False, rope: bool = False, need_dbias: bool = False,
-            deterministic: bool = False) -> Optional[str]:
+            deterministic: bool = False, direction: str = "fwd") -> Optional[str]:
     """None when this family runs the problem, else a short reason. Reads only shapes, strides
     and dtypes (fake tensors work; SymInt sizes are read by their hints, ``launch.hint``: the
     launchers guard the sizes the tiles depend on). ``deterministic`` with ``need_dbias``: see
-    the module docstring (the dbias target is taken to be the bias's non-broadcast dims)."""
+    the module docstring (the dbias target is taken to be the bias's non-broadcast dims).
+    ``direction`` ("fwd" / "bwd"): whose tiles must fit the GPU's shared memory in one stage."""
     if softcap:
         return "a softcap"
     if replace:
@@ -492,6 +513,10 @@ def why_not(q, k, v, bias, *, dropout: bool = False, softcap: bool = False,
     for name, t, rows in tiles:
         if not _row_offsets_fit(t, rows):
             return f"{name}'s strides {tuple(t.stride())} overflow int32 tile offsets"
+    budget = smem_limit(q.device)  # None on the CPU: no limit
+    need = stage_bytes(direction, Lq, Lk, D, Dv, q.dtype, bias)
+    if budget is not None and need > budget:
+        return f"its {direction} tiles need {need // 1024} KB of shared memory (> {budget // 1024} KB)"
     if need_dbias and deterministic and bias is not None:
         Pd = 1 if hint(bias.stride(0)) == 0 else shape[0]
         Hd = 1 if hint(bias.stride(1)) == 0 else Hq
@@ -503,7 +528,8 @@ def why_not(q, k, v, bias, *, dropout: bool = False, softcap: bool = False,
 
 
 def default_config(direction: str, units: int, Lq: int, Lk: int, D: int, Dv: int,
-                   dtype: torch.dtype, sms: int = _H100_SMS) -> SmallConfig:
+                   dtype: torch.dtype, sms: int = _H100_SMS, stage: int = 0,
+                   budget: Optional[int] = None) -> SmallConfig:
     """A first heuristic (one H100 sweep, of Swin's shape only). ``direction`` "fwd" or "bwd";
     ``units`` = B * Hkv. Units per program: enough programs for ``PROGRAMS_PER_SM`` per SM, at
     most ``MAX_UNITS_PER_PROGRAM``. Warps by the live tiles: 8 where the score tile is 128 wide (a
@@ -512,7 +538,8 @@ def default_config(direction: str, units: int, Lq: int, Lk: int, D: int, Dv: int
     sm_90 compiles), and in the backward, which also holds the fp32 dK/dV accumulators, where a
     head dim is 128; else 4. Pipeline stages: at tiles up to 64 wide 3 in the forward and 1 in
     the backward (Swin stage 1, bf16, H100: 120 vs 130 us forward, 438 vs 458 us backward
-    against 2 stages), else 2."""
+    against 2 stages), else 2; fewer where ``stage`` bytes a stage (``stage_bytes``) times the
+    stages would pass the shared-memory ``budget`` (None: no limit)."""
     if direction not in ("fwd", "bwd"):
         raise ValueError(f"direction must be 'fwd' or 'bwd', got {direction!r}")
     per_program = max(1, min(MAX_UNITS_PER_PROGRAM, units // (PROGRAMS_PER_SM * sms)))
@@ -521,6 +548,8 @@ def default_config(direction: str, units: int, Lq: int, Lk: int, D: int, Dv: int
     if direction == "bwd":
         wide = wide or max(_tile(D), _tile(Dv)) >= 128
     stages = 2 if tile >= 128 else 3 if direction == "fwd" else 1
+    if budget is not None and stage:
+        stages = max(1, min(stages, budget // stage))
     return SmallConfig(per_program, 8 if wide else 4, stages)
 
 
@@ -538,12 +567,12 @@ class _Common(NamedTuple):
     consts: dict  # the constexprs
 
 
-def _common(q, k, v, bias, is_causal: bool, scale: float, dropout_p: float,
+def _common(direction: str, q, k, v, bias, is_causal: bool, scale: float, dropout_p: float,
             dropout_seed) -> _Common:
     """The checks and the arguments both directions share. Raises ValueError where ``why_not``
     gives a reason; with SymInt lengths, guards that they fit the tiles picked by their
     hints."""
-    reason = why_not(q, k, v, bias, dropout=dropout_p != 0.0)
+    reason = why_not(q, k, v, bias, dropout=dropout_p != 0.0, direction=direction)
     if reason is not None:
         raise ValueError(f"attention_small does not run this problem: {reason}")
     B, Hq, Lq, D = q.shape
@@ -573,10 +602,13 @@ def _common(q, k, v, bias, is_causal: bool, scale: float, dropout_p: float,
         consts=consts)
 
 
-def _config(direction, config, units, Lq, Lk, D, Dv, q) -> SmallConfig:
+def _config(direction, config, units, Lq, Lk, D, Dv, q, bias) -> SmallConfig:
     if config is None:
-        return default_config(direction, hint(units), hint(Lq), hint(Lk), D, Dv, q.dtype,
-                              sm_count(q.device) or _H100_SMS)
+        Lq, Lk = hint(Lq), hint(Lk)
+        return default_config(direction, hint(units), Lq, Lk, D, Dv, q.dtype,
+                              sm_count(q.device) or _H100_SMS,
+                              stage_bytes(direction, Lq, Lk, D, Dv, q.dtype, bias),
+                              smem_limit(q.device))
     cfg = SmallConfig(*config)
     if cfg.problems_per_program < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
         raise ValueError(f"config {cfg}: every field must be >= 1")
@@ -602,11 +634,11 @@ def forward(q, k, v, bias, *, is_causal: bool, scale: float, lse: torch.Tensor,
         dropout_p, dropout_seed: dropout of the weights (one int64 seed on q's device).
         config: ``SmallConfig`` (default: ``default_config("fwd", ...)``).
     Raises ValueError for a problem ``why_not`` declines."""
-    c = _common(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
+    c = _common("fwd", q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
     units = c.B * c.Hkv
     if units == 0:
         return
-    cfg = _config("fwd", config, units, c.Lq, c.Lk, c.consts["D"], c.consts["Dv"], q)
+    cfg = _config("fwd", config, units, c.Lq, c.Lk, c.consts["D"], c.consts["Dv"], q, bias)
     per_program = cfg.problems_per_program
     if (out is None) == (out_buf is None):
         raise ValueError("give one of out and out_buf")
@@ -680,13 +712,13 @@ def backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale: float,
             mode (``torch.are_deterministic_algorithms_enabled()``) with a dbias whose slots
             span several units, ``problems_per_program`` is raised to whole slots.
     Raises ValueError for a problem ``why_not`` declines."""
-    c = _common(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
+    c = _common("bwd", q, k, v, bias, is_causal, scale, dropout_p, dropout_seed)
     B, Hkv, Lq, Lk = c.B, c.Hkv, c.Lq, c.Lk
     Hq = c.consts["GROUP"] * Hkv
     units = B * Hkv
     if units == 0:
         return
-    cfg = _config("bwd", config, units, Lq, Lk, c.consts["D"], c.consts["Dv"], q)
+    cfg = _config("bwd", config, units, Lq, Lk, c.consts["D"], c.consts["Dv"], q, bias)
     if dbias is None:
         plan = _DbiasPlan(NO_DBIAS, True, B, False, cfg.problems_per_program, False)
         dbias_t, dbias_strides = lse, (0, 0, 0, 0)

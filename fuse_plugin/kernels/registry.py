@@ -176,7 +176,7 @@ class Small(Family):
         return attention_small.why_not(
             call.q, call.k, call.v, call.bias, dropout=call.dropout, softcap=call.softcapped,
             replace=call.has_rep, rope=call.rope is not None, need_dbias=call.need_dbias,
-            deterministic=call.deterministic and call.direction == "bwd")
+            deterministic=call.deterministic and call.direction == "bwd", direction=call.direction)
 
     def declines(self, call):
         # taken where the choice table measured it fastest (or forced), by no rule of its own
