@@ -45,6 +45,7 @@ class Case(NamedTuple):
     dropout: float = 0.0
     period: int = 0  # windows, for "periodic"
     seen: str = ""
+    dtype: str = "bfloat16"  # on the GPU (the CPU runs float32)
 
 
 # name -> Case: what the benchmarks meet (bf16).
@@ -66,6 +67,8 @@ CLASSES = {
     "llama-8k": Case((1, 16, 4, 8192, 8192, 64, 64), "none", causal=True, seen="e2e Llama 1x8192"),
     "bert": Case((32, 12, 12, 128, 128, 64, 64), "keys", dropout=0.1, seen="BERT-base training"),
     "bert-nodrop": Case((32, 12, 12, 128, 128, 64, 64), "keys", seen="BERT-base inference"),
+    "llama-512-fp32": Case((8, 16, 4, 512, 512, 64, 64), "none", causal=True, dtype="float32",
+                           seen="Llama 8x512 in float32 (shapes table, HF's default load dtype)"),
 }
 
 
@@ -130,7 +133,7 @@ def _small_configs(direction: str, case: Case) -> list:
     from .kernels import attention_small
 
     B, Hq, Hkv, Lq, Lk, D, Dv = case.shape
-    d = attention_small.default_config(direction, B * Hkv, Lq, Lk, D, Dv, torch.bfloat16)
+    d = attention_small.default_config(direction, B * Hkv, Lq, Lk, D, Dv, getattr(torch, case.dtype))
     rest = [attention_small.SmallConfig(p, w, d.num_stages) for w in SMALL_WARPS for p in SMALL_PER_PROGRAM]
     return [d] + [c for c in rest if c != d]
 
@@ -168,7 +171,7 @@ def measure_class(name: str, case: Case, log, timed: bool = True, device: str = 
     from .kernels.call import AttentionCall
     from .ops.attention import bias_4d, new_dropout_seed
 
-    dev, dt = torch.device(device), torch.bfloat16 if device == "cuda" else torch.float32
+    dev, dt = torch.device(device), getattr(torch, case.dtype) if device == "cuda" else torch.float32
     B, Hq, Hkv, Lq, Lk, D, Dv = case.shape
     scale = D ** -0.5
     q, k, v, bias, mask, learned = inputs(case, dev, dt)
@@ -317,12 +320,13 @@ def main(args) -> int:
         table = {}
     if table.get("format") != choice_table.FORMAT:
         table = {"format": choice_table.FORMAT, "gpus": {}}
-    entries = {}
+    # --classes: the other classes this GPU has keep their entries
+    entries = dict(table["gpus"].get(gpu, {}).get("entries", {})) if args.classes else {}
     for name in names:
         case = CLASSES[name]
         t0 = time.time()
         entry = measure_class(name, case, log)
-        key = choice_table.class_key(torch.bfloat16, case.shape[5], case.shape[6], case.shape[3],
+        key = choice_table.class_key(getattr(torch, case.dtype), case.shape[5], case.shape[6], case.shape[3],
                                      case.shape[4], case.bias, case.causal, bool(case.dropout))
         entries[key] = dict(entry, name=name)
         log({"class": name, "key": key, "s": round(time.time() - t0, 1), **{

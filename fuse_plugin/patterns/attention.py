@@ -132,6 +132,12 @@ class AttentionSite:
     safe: bool = False  # the softmax is _safe_softmax: rows whose every score is -inf give 0, not NaN
     carried: list = field(default_factory=list)  # [_CarriedMask]: masks carried across batch views, to build
     period: Optional[int] = None  # the bias is window-periodic over the batch (batch_views.carry_mask)
+    cast: Optional[torch.dtype] = None  # q, k, v cast to it first: autocast ran both products in it
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the op computes in (q's, or autocast's `cast`)."""
+        return self.cast or self.q.value().dtype
 
 
 # =============================================================================== q·kᵀ and w·v
@@ -674,7 +680,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     sizes = _sizes(o, sc, ws.pv)
     if isinstance(sizes, str):
         return sizes
-    o = _one_dtype(o)
+    o = _one_dtype(o, (sc.product, ws.pv))
     if isinstance(o, str):
         return o
     masks = _masks(sc, carry, sizes)
@@ -698,6 +704,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
         is_causal=masks.is_causal, causal_note=masks.causal_note, kv_groups=groups, softcap=sc.softcap,
         out_ops=o.out_ops, matched=matched, notes=masks.notes, dropout_p=ws.dropout_p,
         safe=call_of(softmax).name == "safe_softmax", carried=masks.carry.carried, period=masks.carry.period,
+        cast=o.cast,
     )
 
 
@@ -868,6 +875,7 @@ class _Operands:
     out_ops: tuple
     qk_scale: float
     runtime_scale: list
+    cast: Optional[torch.dtype] = None  # autocast's: the dtype both products ran in (`_one_dtype`)
 
 
 def _product_operands(sc: _ScoresSide, ws: _WeightsSide) -> Union[_Operands, str]:
@@ -948,10 +956,14 @@ def _sizes(o: _Operands, sc: _ScoresSide, pv: fx.Node) -> Union[_Sizes, str]:
     return _Sizes(lq, lk, d, dv, qv.shape[1] if rank == 4 else None, mqa)
 
 
-def _one_dtype(o: _Operands) -> Union[_Operands, str]:
+def _one_dtype(o: _Operands, products: tuple) -> Union[_Operands, str]:
     """o with q, k, v of one dtype the op takes: as they are, or without their float casts where
-    the dtypes differ (`_strip_cast`); or why not."""
+    the dtypes differ (`_strip_cast`), or cast to the 16-bit dtype both `products` ran in under
+    autocast (`_autocast_dtype`); or why not."""
     dtypes = [x.value().dtype for x in (o.q, o.k, o.v)]
+    cast = _autocast_dtype(dtypes, products)
+    if cast is not None:
+        return dataclasses.replace(o, cast=cast)
     if len(set(dtypes)) > 1:
         o = dataclasses.replace(o, q=_strip_cast(o.q), k=_strip_cast(o.k), v=_strip_cast(o.v))
         dtypes = [x.value().dtype for x in (o.q, o.k, o.v)]
@@ -960,6 +972,24 @@ def _one_dtype(o: _Operands) -> Union[_Operands, str]:
     if dtypes[0] not in _DTYPES:
         return f"dtype {dtypes[0]} (the op takes fp16, bf16, fp32, fp64)"
     return o
+
+
+def _autocast_dtype(dtypes: list, products: tuple) -> Optional[torch.dtype]:
+    """The dtype autocast ran q·kᵀ and w·v in, where it cast wider q, k, v down (None: it did
+    not). Without autocast a product's dtype is its operands' (mixed dtypes raise), so products
+    of one 16-bit dtype over a wider operand are autocast's: HF Llama under
+    ``torch.autocast(dtype=bfloat16)`` has fp32 q, k (its rotary promotes them with fp32
+    cos/sin), bf16 v, and bf16 products. The op then takes q, k, v cast to that dtype, as the
+    products did (its scores and softmax stay fp32; autocast rounds the scores to bf16)."""
+    out = {dtype(p) for p in products}
+    if len(out) != 1:
+        return None
+    (low,) = out
+    if low not in (torch.float16, torch.bfloat16):
+        return None
+    if not all(d in _DTYPES and d.itemsize >= low.itemsize for d in dtypes):
+        return None
+    return low if any(d != low for d in dtypes) else None
 
 
 def _gqa(o: _Operands, sizes: _Sizes, rank: int) -> Union[tuple, str]:
@@ -1173,6 +1203,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = 
         for node, divide in site.scale_nodes:
             q = b.function(operator.truediv if divide else operator.mul, q, node)
         k, v = _build_operand(b, site.k), _build_operand(b, site.v)
+        if site.cast is not None:
+            q, k, v = (b.method("to", t, site.cast) for t in (q, k, v))
         for _ in range(4 - site.rank):
             q, k, v = (b.method("unsqueeze", t, 0) for t in (q, k, v))
         bias_dtype = torch.float64 if dtype(site.scores) == torch.float64 else torch.float32

@@ -90,7 +90,7 @@ def class_of(site) -> tuple[Optional[str], str, torch.device]:
     qv, kv, vv = site.q.value(), site.k.value(), site.v.value()
     while qv.dim() < 4:
         qv, kv, vv = qv.unsqueeze(0), kv.unsqueeze(0), vv.unsqueeze(0)
-    key = choice_table.class_key(qv.dtype, _hint(qv.shape[-1]), _hint(vv.shape[-1]), _hint(qv.shape[-2]),
+    key = choice_table.class_key(site.dtype, _hint(qv.shape[-1]), _hint(vv.shape[-1]), _hint(qv.shape[-2]),
                                  _hint(kv.shape[-2]), _bias_form(site), site.is_causal, bool(site.dropout_p))
     return key, "train" if _training(site) else "fwd", qv.device
 

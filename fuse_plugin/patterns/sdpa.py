@@ -34,7 +34,7 @@ import logging
 
 from .. import settings
 from . import attention, choice
-from .attention import HEAD_DIM_RANGE, AttentionSite, _Operand, _unrepeat_kv
+from .attention import HEAD_DIM_RANGE, AttentionSite, _autocast_dtype, _Operand, _unrepeat_kv
 from .attention_bias import causal_or_bias, read_masks
 from .canon import call_of, dtype, example_value, fmt_shape, known_equal, same_shape, shape, size_in_range
 from .causal_mask import constant_number
@@ -63,7 +63,8 @@ def match_sdpa(node: fx.Node) -> Union[AttentionSite, str]:
     q, k, v = (_Operand(c[name]) if isinstance(c[name], fx.Node) else None for name in ("query", "key", "value"))
     if q is None or k is None or v is None:
         return "q, k or v is not a tensor of the graph"
-    sizes = _sizes(q, k, v, node)
+    cast = _autocast_dtype([getattr(example_value(x.node), "dtype", None) for x in (q, k, v)], (node,))
+    sizes = _sizes(q, k, v, node, cast)
     if isinstance(sizes, str):
         return sizes
     B, Hq, Lq, D, Hkv, Lk, Dv = sizes
@@ -91,7 +92,7 @@ def match_sdpa(node: fx.Node) -> Union[AttentionSite, str]:
         scale=scale if scale is not None else 1.0 / math.sqrt(D), scale_nodes=[],
         bias_parts=bias_parts, is_causal=is_causal, causal_note=causal_note, kv_groups=groups,
         softcap=0.0, out_ops=(), matched=[node], notes=["an SDPA call"] + notes, dropout_p=dropout_p,
-        safe=bool(bias_parts))
+        safe=bool(bias_parts), cast=cast)
 
 
 def _flags(c) -> Union[tuple, str]:
@@ -109,15 +110,16 @@ def _flags(c) -> Union[tuple, str]:
     return float(dropout_p), c["is_causal"], scale, c["enable_gqa"]
 
 
-def _sizes(q: _Operand, k: _Operand, v: _Operand, node: fx.Node) -> Union[tuple, str]:
-    """(B, Hq, Lq, D, Hkv, Lk, Dv) of 4-D q/k/v of one dtype, or why not."""
+def _sizes(q: _Operand, k: _Operand, v: _Operand, node: fx.Node, cast=None) -> Union[tuple, str]:
+    """(B, Hq, Lq, D, Hkv, Lk, Dv) of 4-D q/k/v of one dtype (or any, autocast casting them to
+    `cast`), or why not."""
     vals = [example_value(x.node) for x in (q, k, v)]
     if not all(isinstance(t, torch.Tensor) for t in vals):
         return "q/k/v have no tensor metadata"
     qv, kv, vv = vals
     if not (qv.dim() == kv.dim() == vv.dim() == 4):
         return f"q, k, v of ranks {qv.dim()}, {kv.dim()}, {vv.dim()} (4-D (B, H, L, D) is taken)"
-    if not (qv.dtype == kv.dtype == vv.dtype) or qv.dtype not in _DTYPES:
+    if cast is None and (not (qv.dtype == kv.dtype == vv.dtype) or qv.dtype not in _DTYPES):
         return f"q, k, v dtypes {qv.dtype}, {kv.dtype}, {vv.dtype}"
     B, Hq, Lq, D = qv.shape
     Bk, Hkv, Lk, Dk = kv.shape
