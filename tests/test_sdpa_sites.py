@@ -245,6 +245,27 @@ def test_measured_choice_between_ours_and_sdpa():
     assert not train.ours and train.reason.startswith("left as SDPA: measured 1.14x faster (35.0 vs 40.0 us")
 
 
+def test_dense_causal_mask_call_against_sdpa_is_causal_time(monkeypatch):
+    """A call passing a dense mask that the plan reads as causal: the table's SDPA time (at
+    is_causal) bounds the call as written from below, so our op takes ties up to 3%; a call that
+    passes is_causal itself, or ours more than 3% slower, stays SDPA."""
+    from fuse_plugin.patterns import choice
+
+    times = {"fwd": {"cudnn": 344.1}, "bwd": {"cudnn": 906.2}, "sdpa": {"fwd": 342.7, "train": 1252.8}}
+    tie = choice.decide_sdpa_from(times, "fwd", "k", mask_dropped=True)
+    assert tie.ours and "dense mask" in tie.reason
+    assert not choice.decide_sdpa_from(times, "fwd", "k").ours
+    slower = dict(times, fwd={"cudnn": 360.0})
+    assert not choice.decide_sdpa_from(slower, "fwd", "k", mask_dropped=True).ours
+
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "auto")
+    monkeypatch.setattr(choice.choice_table, "lookup", lambda device, key: times)
+    _, _, report = capture(causal_bool_mask, *qkv())  # the mask becomes is_causal: the rule applies
+    assert len(report.sites) == 1 and "dense mask" in report.sites[0].detail, report
+    _, _, report = capture(gqa_enable_causal, *qkv(Hkv=2))  # is_causal=True: SDPA's own time
+    assert not report.sites and report.left[0].reason.startswith("left as SDPA: measured"), report
+
+
 # --------------------------------------------------------------------------- parity with SDPA
 
 
