@@ -22,7 +22,7 @@ from functorch.compile import make_boxed_func
 from helpers import rel_err
 
 PRODUCTS = ("matmul", "at", "method", "bmm", "einsum")
-KTS = ("transpose", "transpose23", "mT", "permute", "pre")
+KTS = ("transpose", "transpose23", "mT", "permute", "pre", "permute0231")
 SCALES = ("mul", "div_sqrt", "pow", "neg_pow", "q", "qk", "tensor", "none")
 MASKS = (
     "none", "additive", "bias_grad", "hf_slice", "fill_eq0_inf", "fill_bool_min", "where_min", "where_inf",
@@ -34,7 +34,7 @@ DROPOUTS = ("none", "p0", "eval", "train")
 GQAS = ("none", "repeat_kv", "repeat_interleave")
 LAYOUTS = ("bhld", "view_transpose", "permute")
 NEGATIVES = (
-    "none", "softmax_dim", "weights_used", "bad_permute", "mask_5d", "scores_used", "fill_not_mask",
+    "none", "softmax_dim", "weights_used", "mask_5d", "scores_used", "fill_not_mask",
     "mul_by_tensor", "inplace_fill", "small_head",
 )
 # masks the recogniser must leave alone: none. (A finite causal fill followed by an additive padding
@@ -86,8 +86,8 @@ class AttnSpec:
             s = replace(s, lk=s.lq + 2)
         if s.kt == "pre":
             s = replace(s, gqa="none", product="matmul" if s.product == "bmm" else s.product)
-        if s.negative == "bad_permute":
-            s = replace(s, product="matmul", kt="permute", layout="bhld", gqa="none")
+        if s.kt == "permute0231":  # LeViT's k: (B, L, H, D) permuted to (B, H, D, L)
+            s = replace(s, product="matmul", layout="bhld", gqa="none")
         if s.negative == "softmax_dim":
             s = replace(s, lk=s.lq)
         if s.negative in ("mask_5d", "scores_used", "weights_used", "inplace_fill") and s.product in ("bmm", "einsum"):
@@ -156,8 +156,8 @@ class AttnModule(nn.Module):
                 kt = k.transpose(2, 3) if k.dim() == 4 else k.transpose(1, 2)
             elif s.kt == "mT":
                 kt = k.mT
-            elif s.negative == "bad_permute":
-                kt = k.permute(0, 2, 3, 1)  # k given (B, L, H, D): (B, H, D, L), not a transpose of k
+            elif s.kt == "permute0231":
+                kt = k.permute(0, 2, 3, 1)  # k given (B, L, H, D): (B, H, D, L), kᵀ of k.permute(0, 2, 1, 3)
             else:
                 kt = k.permute(0, 1, 3, 2) if k.dim() == 4 else k.permute(0, 2, 1)
             if s.product == "matmul":
@@ -270,7 +270,7 @@ class AttnModule(nn.Module):
     def forward(self, q, k, v, mask=None):
         s = self.spec
         q = self.heads(q, s.h)
-        if s.negative != "bad_permute":
+        if s.kt != "permute0231":
             k = self.heads(k, s.kv_heads) if s.kt != "pre" else k
             k = self.repeat(k) if s.kt != "pre" else k
         v = self.repeat(self.heads(v, s.kv_heads))
@@ -309,7 +309,7 @@ def make_inputs(spec: AttnSpec, seed: int = 0, requires_grad: bool = True) -> li
         return rnd(s.b, n, l, d)
 
     q = layout(s.h, s.lq, s.d)
-    if s.negative == "bad_permute":
+    if s.kt == "permute0231":
         k = rnd(s.b, s.lk, s.h, s.d)  # (B, L, H, D), permuted (0, 2, 3, 1) in the module
     elif s.kt == "pre":
         k = rnd(s.b, s.h, s.d, s.lk)  # kᵀ given (B, H, D, Lk)

@@ -1253,8 +1253,8 @@ fused: scale=1, run-time scale applied to q""")
 --- after: unchanged ---
 not fused: softmax over dim -2, not the last dim""")
 
-    def test_negative_k_permuted_0231(self):
-        def f(q, k, v):  # k (B, L, H, D) permuted (0, 2, 3, 1): pytorch#195320
+    def test_k_permuted_0231(self):
+        def f(q, k, v):  # k (B, L, H, D) permuted (0, 2, 3, 1): kᵀ given (pytorch#195320 misread it)
             return F.softmax(q @ k.permute(0, 2, 3, 1) * 0.25, dim=-1) @ v
 
         self.assertExpectedInline(rewrite_listing(f, randn(B, H, L, D), randn(B, L, H, D), randn(B, H, L, D)), """\
@@ -1267,11 +1267,21 @@ not fused: softmax over dim -2, not the last dim""")
 6 softmax(#5, -1, 3, None)
 7 matmul(#6, #2)
 8 output (#7)
---- after: unchanged ---
-not fused: k operand is permute(0, 2, 3, 1) of k, not a transpose of its last two dims""")
+--- after ---
+0 input (2, 8, 4, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 permute(#0, (0, 2, 3, 1))
+4 transpose(#3, -2, -1)
+5 fuse_plugin.attention(#1, #4, #2, None, 0, False, 0.25)
+6 getitem(#5, 0)
+7 contiguous(#6)
+8 output (#7)
+--- report ---
+fused: scale=0.25""")
 
-    def test_negative_k_transposed_wrong_dims(self):
-        def f(q, k, v):  # k (B, D, H, L): transpose(1, 2) gives (B, H, D, L) but is not kᵀ of a (.., L, D) k
+    def test_k_transposed_other_dims(self):
+        def f(q, k, v):  # k (B, D, H, L): transpose(1, 2) gives kᵀ (B, H, D, L), taken as given
             return F.softmax(q @ k.transpose(1, 2), dim=-1) @ v
 
         self.assertExpectedInline(rewrite_listing(f, randn(B, H, L, D), randn(B, D, H, L), randn(B, H, L, D)), """\
@@ -1283,8 +1293,18 @@ not fused: k operand is permute(0, 2, 3, 1) of k, not a transpose of its last tw
 5 softmax(#4, -1, 3, None)
 6 matmul(#5, #2)
 7 output (#6)
---- after: unchanged ---
-not fused: k operand is transpose(1, 2) of k, not a transpose of its last two dims""")
+--- after ---
+0 input (2, 16, 4, 8)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 transpose(#0, 1, 2)
+4 transpose(#3, -2, -1)
+5 fuse_plugin.attention(#1, #4, #2, None, 0, False, 1)
+6 getitem(#5, 0)
+7 contiguous(#6)
+8 output (#7)
+--- report ---
+fused: scale=1""")
 
     def test_negative_baddbmm_scales_its_input(self):
         def f(q, k, v, bias):  # beta=0.5: the baddbmm input is a scaled bias (beta=1, ALiBi: tests/test_spellings.py)
@@ -1544,11 +1564,11 @@ PARITY_SPECS = [
     AttnSpec(dtype=torch.float16, mask="fill_bool_min", product="bmm"),
     AttnSpec(dtype=torch.bfloat16, mask="additive", softmax="float", product="einsum"),
     AttnSpec(dtype=torch.bfloat16, mask="causal_buffer", layout="view_transpose", scale="qk"),
+    AttnSpec(kt="permute0231", mask="additive"),  # LeViT's k: kᵀ given as a permute of (B, L, H, D)
     # near misses: unchanged, and still equal to eager
     AttnSpec(dropout="train"),
     AttnSpec(negative="softmax_dim"),
     AttnSpec(negative="weights_used"),
-    AttnSpec(negative="bad_permute"),
     AttnSpec(negative="mask_5d"),
     AttnSpec(negative="scores_used"),
     AttnSpec(negative="small_head"),

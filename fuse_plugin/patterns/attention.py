@@ -185,8 +185,6 @@ def _product(node: fx.Node, heads: Optional[tuple] = None, with_input: bool = Fa
         kt, f2 = _strip_const_factors(kt)
         factor *= f * f2
         k = _k_from_kt(kt)
-        if isinstance(k, str):
-            return k
         a, fa = _strip_const_factors(a)
         a, rq = _strip_runtime_factors(a)
         factor *= fa
@@ -269,8 +267,11 @@ def _permuted(node: fx.Node, have: list, want: list) -> _Operand:
     return _Operand(node, ()) if perm == tuple(range(len(perm))) else _Operand(node, (("permute", *perm),))
 
 
-def _k_from_kt(kt: fx.Node) -> Union[_Operand, str]:
-    """k (…, Lk, D) from the product's second operand kᵀ (…, D, Lk)."""
+def _k_from_kt(kt: fx.Node) -> _Operand:
+    """k (…, Lk, D) from the product's second operand kᵀ (…, D, Lk): the input of a transpose of
+    the last two dims (or ``mT``), else kᵀ itself transposed back. A permute or transpose of other
+    dims is such a kᵀ (LeViT: k (B, L, H, D) permuted (0, 2, 3, 1)); it is not read as a transpose
+    of its input's last two dims (pytorch#195320 did, and computed with the wrong k)."""
     r = len(shape(kt))
     c = call_of(kt)
     while c is not None and is_identity(c) and not written(kt):
@@ -281,12 +282,10 @@ def _k_from_kt(kt: fx.Node) -> Union[_Operand, str]:
             dims = {norm_dim(c["dim0"], r), norm_dim(c["dim1"], r)}
             if dims == {r - 2, r - 1}:
                 return _Operand(c["input"])
-            return f"k operand is transpose({c['dim0']}, {c['dim1']}) of k, not a transpose of its last two dims"
         if c.name == "permute":
             dims = tuple(norm_dim(d, r) for d in c["dims"])
             if dims == tuple(range(r - 2)) + (r - 1, r - 2):
                 return _Operand(c["input"])
-            return f"k operand is permute{tuple(c['dims'])} of k, not a transpose of its last two dims"
         if c.name == "getattr" and (c["name"] == "mT" or (c["name"] == "T" and r == 2)):
             return _Operand(c["input"])
     return _Operand(kt, (("transpose", -2, -1),))  # k given pre-transposed
@@ -302,8 +301,7 @@ def _merged_operand(x: _Operand, heads: tuple) -> Optional[_Operand]:
         return None
     if not x.ops:
         return _Operand(merged)
-    k = _k_from_kt(merged)
-    return None if isinstance(k, str) else k
+    return _k_from_kt(merged)
 
 
 def _merged_from(x: fx.Node, heads: tuple) -> Optional[fx.Node]:
