@@ -21,6 +21,9 @@
   repeat_interleave or repeat_kv. Eager is SDPA's math backend (rows masked everywhere give 0;
   the CPU flash kernel's backward zeroes a float64 row biased by finfo.min everywhere, which its
   forward and the math give uniform weights); the rewrite runs with FUSE_PLUGIN_SITE_CHOICE=ours;
+* sinks: one case in eleven of the other 4-D hand-written ones joins gpt-oss's sink column (a
+  learned logit per head) to the scores before the softmax, with or without the max subtraction,
+  and drops it after (patterns/sinks.py; the sinks' gradient is compared too);
 * the route: one case in seven of the others (seed % 7 == 2) is rewritten with
   FUSE_PLUGIN_SITE_CHOICE=sdpa, a hand-written site becoming an SDPA call where it can be one
   (patterns/attention._sdpa_call: masks folded into one attn_mask, eager's NaN rows restored);
@@ -87,6 +90,7 @@ class Case:
     pv: str  # matmul | einsum | bmm
     variant: str = "none"  # a mutant, a positive extra, or none
     route: str = "ours"  # ours | sdpa (FUSE_PLUGIN_SITE_CHOICE for the rewrite)
+    sinks: str = "none"  # none | cat | cat_max: gpt-oss's sink column (patterns/sinks.py)
 
     @property
     def mutant(self) -> bool:
@@ -97,7 +101,8 @@ class Case:
         return (f"seed={self.seed} {str(self.dtype)[6:]} B{self.b} H{self.h}/{self.hkv} Lq{self.lq} Lk{self.lk} "
                 f"D{self.d} Dv{self.dv} {self.layout} {self.product} scale={self.scale} [{masks}] "
                 f"softmax={self.softmax} dropout={self.dropout} gqa={self.gqa} pv={self.pv} variant={self.variant}"
-                + (f" route={self.route}" if self.route != "ours" else ""))
+                + (f" route={self.route}" if self.route != "ours" else "")
+                + (f" sinks={self.sinks}" if self.sinks != "none" else ""))
 
 
 def make_case(seed: int) -> Case:
@@ -146,6 +151,9 @@ def make_case(seed: int) -> Case:
             case.gqa = "enable_gqa"
     elif seed % 7 == 2:  # (no draw either)
         case.route = "sdpa"
+    # one case in eleven of the other 4-D ones has gpt-oss's sink column (no draw either)
+    if not merged and not case.mutant and case.product != "sdpa" and case.route == "ours" and seed % 11 == 5:
+        case.sinks = "cat_max" if seed % 2 else "cat"
     return case
 
 
@@ -163,6 +171,8 @@ class FuzzModule(nn.Module):
                 shape = (case.lq, case.lk) if case.layout == "merged" else (1, case.h, case.lq, case.lk)
                 self.biases.append(nn.Parameter((torch.randn(*shape, generator=g) * 0.5).to(case.dtype)))
         self.safe = False  # aten._safe_softmax instead of softmax: the reference for NaN gradients
+        if case.sinks != "none":
+            self.sinks = nn.Parameter((torch.randn(case.h, generator=g) * 2).to(case.dtype))
 
     def _softmax(self, x, dim):
         c = self.case
@@ -289,7 +299,14 @@ class FuzzModule(nn.Module):
         biases = iter(self.biases)
         for m in c.masks:
             x = self._mask(x, m, pad_keep, rand_keep, next(biases) if m.kind == "bias" else None)
-        p = self._softmax(x, -2 if c.variant == "softmax_dim" else -1)
+        if c.sinks != "none":  # softmax([scores, sink])[..., :-1], as HF gpt-oss
+            col = self.sinks.reshape(1, -1, 1, 1).expand(x.shape[0], -1, x.shape[2], -1).to(x.dtype)
+            x = torch.cat([x, col], dim=-1)
+            if c.sinks == "cat_max":
+                x = x - x.max(dim=-1, keepdim=True).values
+            p = self._softmax(x, -1)[..., :-1]
+        else:
+            p = self._softmax(x, -2 if c.variant == "softmax_dim" else -1)
         if c.variant == "weights_scaled":
             p = p * 2.0
         elif c.variant == "weights_pow":

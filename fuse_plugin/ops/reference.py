@@ -131,10 +131,22 @@ def _dropped(x: Tensor, dropout_p: float, seed: Tensor | None, shape: tuple) -> 
     return torch.where(keep, x * dropout_scale(dropout_p), 0.0)
 
 
+def _with_sinks(p: Tensor, lse: Tensor, sinks: Tensor, g: int) -> tuple[Tensor, Tensor]:
+    """Weights and lse with each row's sink logit in the softmax's denominator (its column
+    dropped): p · exp(lse − lse'), lse' = logaddexp(lse, sink); rows masked everywhere give 0."""
+    ct = p.dtype
+    lse_sink = torch.logaddexp(lse.to(ct), sinks.to(ct).view(1, -1, 1))
+    p = p.masked_fill(p.isnan().all(-1, keepdim=True), 0.0)
+    return p * _grouped(torch.exp(lse.to(ct) - lse_sink).unsqueeze(-1), g), lse_sink
+
+
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
                       dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
-                      softcap: float = 0.0, replace: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      softcap: float = 0.0, replace: Tensor | None = None,
+                      sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     p, lse = attention_probs(q, k, bias, is_causal, scale, softcap, replace=replace)
+    if sinks is not None:
+        p, lse = _with_sinks(p, lse, sinks, q.shape[1] // k.shape[1])
     p = _dropped(p, dropout_p, dropout_seed, tuple(lse.shape) + (k.shape[2],))
     out = p @ v.to(p.dtype).unsqueeze(2)
     b, hq, lq = lse.shape
@@ -145,11 +157,13 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_c
 def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float, need_dbias: bool,
     dropout_p: float = 0.0, dropout_seed: Tensor | None = None, softcap: float = 0.0,
-    replace: Tensor | None = None,
+    replace: Tensor | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """dq, dk, dv (input dtypes) and dS (B, Hq, Lq, Lk) in the compute dtype when need_dbias
     (the gradient of the bias, i.e. of the final scores, also where `replace` holds; dq/dk get
-    none from the replaced scores)."""
+    none from the replaced scores). `sinks` (Hq,): each row's softmax has one more column, the
+    head's sink logit, dropped after it (ops/attention_sinks.py); then dsinks (Hq,) is returned
+    fifth."""
     p, lse, t = attention_probs(q, k, bias, is_causal, scale, softcap, with_tanh=True,
                                 replace=replace)  # (B, Hkv, G, Lq, Lk)
     dead = p.isnan().all(-1, keepdim=True)  # (not lse == -inf: lse also overflows there for a float64
@@ -161,13 +175,16 @@ def attention_backward(
     # adds nothing to dk, dv or dbias. (Eager's masked_fill(-inf) also gives dq 0 and a finite dk
     # there, the fill's backward dropping the NaN; its dv is NaN everywhere, which we do not copy.)
     p = p.masked_fill(dead, 0.0)
+    if sinks is not None:  # the sink's exp joins each row's denominator
+        p, lse_sink = _with_sinks(p, lse, sinks, g)
     do = _grouped(dout.to(ct), g)
     vv = v.to(ct).unsqueeze(2)
     # With dropout, out = P' v with P' = mask * P / (1 - p): dv = P'^T dO, dP = mask * dP' / (1 - p).
     shape = tuple(lse.shape) + (k.shape[2],)
     dv = (_dropped(p, dropout_p, dropout_seed, shape).transpose(-1, -2) @ do).sum(2)
     dp = _dropped(do @ vv.transpose(-1, -2), dropout_p, dropout_seed, shape)
-    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    delta = (p * dp).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
     dbias = ds.reshape(lse.shape + (k.shape[2],)) if need_dbias else None
     if replace is not None:  # a replaced score does not depend on q·kᵀ
         ds = ds.masked_fill(_grouped(replace.expand(shape), g), 0.0)
@@ -177,6 +194,10 @@ def attention_backward(
     dk = (ds.transpose(-1, -2) @ _grouped(q.to(ct), g)).sum(2) * scale
     b, hq, lq, d = q.shape
     dq = dq.reshape(b, hq, lq, d)
+    if sinks is not None:  # d/dsink = -Σ p_sink · Δ (ops/attention_sinks.py)
+        p_sink = torch.exp(sinks.to(ct).view(1, -1, 1) - lse_sink).reshape(delta.shape[:-1])
+        dsinks = -(p_sink * delta.squeeze(-1)).reshape(b, hq, lq).sum((0, 2))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias, dsinks.to(sinks.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 

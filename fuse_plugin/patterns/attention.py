@@ -68,9 +68,10 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import fx
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
-from . import choice
+from . import choice, sinks as sink_form
 from .attention_bias import BiasTerm, MaskFill, build_bias, causal_or_bias, read_masks, replace_mask
 from .batch_views import batch_view, carry_mask
 from .canon import (Call, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
@@ -85,6 +86,7 @@ log = logging.getLogger(__name__)
 
 KIND = "attention"
 ATTENTION_OP = torch.ops.fuse_plugin.attention.default
+SINKS_OP = torch.ops.fuse_plugin.attention_sinks.default
 HEAD_DIM_RANGE = (16, 256)  # what the Triton kernels take (fuse_plugin/kernels/attention.py)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -133,6 +135,7 @@ class AttentionSite:
     carried: list = field(default_factory=list)  # [_CarriedMask]: masks carried across batch views, to build
     period: Optional[int] = None  # the bias is window-periodic over the batch (batch_views.carry_mask)
     cast: Optional[torch.dtype] = None  # q, k, v cast to it first: autocast ran both products in it
+    sinks: Optional[fx.Node] = None  # the H sink logits of a softmax with a sink column (patterns/sinks.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -663,12 +666,17 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     x = _softmax_input(softmax)
     if isinstance(x, str):
         return x
-    ws = _weights_side(softmax)
+    form = sink_form.read(softmax)  # softmax([scores, sink])[..., :-1] (gpt-oss), else None
+    if isinstance(form, str):
+        return form
+    ws = _weights_side(softmax if form is None else form.dropped)
     if isinstance(ws, str):
         return ws
-    sc = _scores_side(x, softmax, ws.between)
+    sc = _scores_side(x if form is None else form.scores, softmax if form is None else form.cat, ws.between)
     if isinstance(sc, str):
         return sc
+    if form is not None and sc.softcap:
+        return "sinks next to a softcap (the sinks op has none)"
     o = _product_operands(sc, ws)
     if isinstance(o, str):
         return o
@@ -690,7 +698,13 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     k, v, groups = kv
     scale_nodes = o.runtime_scale + masks.scale_nodes
     inputs = [o.q.node, k.node, v.node] + [n for n, _ in scale_nodes] + [_part_node(p) for p in masks.bias_parts]
-    matched = _site_nodes(sc, softmax, ws, inputs)
+    if form is not None:
+        if any(isinstance(p, MaskFill) and p.value != -math.inf for p in masks.bias_parts):
+            return "sinks next to a finite fill (the sinks op has no replace mask)"
+        if any(is_traceable_wrapper_subclass(x.value()) for x in (o.q, k, v)):
+            return "sinks on tensor subclasses (DTensor: the sinks op has no sharding rule)"
+        inputs.append(form.sinks)
+    matched = _site_nodes(sc, softmax, ws, inputs, form.nodes if form is not None else ())
     if isinstance(matched, str):
         return matched
     why = _head_dims(sizes)
@@ -702,7 +716,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
         is_causal=masks.is_causal, causal_note=masks.causal_note, kv_groups=groups, softcap=sc.softcap,
         out_ops=o.out_ops, matched=matched, notes=masks.notes, dropout_p=ws.dropout_p,
         safe=call_of(softmax).name == "safe_softmax", carried=masks.carry.carried, period=masks.carry.period,
-        cast=o.cast,
+        cast=o.cast, sinks=form.sinks if form is not None else None,
     )
 
 
@@ -1116,11 +1130,13 @@ def _part_node(p: Any) -> Any:
 # ------------------------------------------------------------------------------- the site's nodes
 
 
-def _site_nodes(sc: _ScoresSide, softmax: fx.Node, ws: _WeightsSide, inputs: list) -> Union[list, str]:
+def _site_nodes(sc: _ScoresSide, softmax: fx.Node, ws: _WeightsSide, inputs: list, extra=()) -> Union[list, str]:
     """The nodes from the product to w·v, which the op takes over, or why it cannot: one is also
     used outside the site, or one of the op's `inputs` is written in place after the site first
-    reads it (the op stands just before w·v: writes.write_between)."""
-    matched = list(dict.fromkeys([sc.product] + list(reversed(sc.nodes)) + [softmax] + ws.between + [ws.pv]))
+    reads it (the op stands just before w·v: writes.write_between). `extra`: the nodes between the
+    scores and the weights of a sink form (patterns/sinks.py)."""
+    matched = list(dict.fromkeys([sc.product] + list(reversed(sc.nodes)) + list(extra) + [softmax] + ws.between
+                                 + [ws.pv]))
     for n in matched:
         if n is not ws.pv and any(u not in matched and not _shape_use_in_chain(u, n, matched) for u in n.users):
             return f"{n.name} is also used outside the attention"
@@ -1182,6 +1198,8 @@ def why_not_sdpa(site: AttentionSite) -> Optional[str]:
     window-periodic bias are built at static sizes."""
     if site.softcap:
         return "a softcap"
+    if site.sinks is not None:
+        return "sinks"
     if any(isinstance(p, MaskFill) and p.value != -math.inf for p in site.bias_parts):
         return "a finite fill (the op's replace mask)"
     values = [site.q.value(), site.k.value()]
@@ -1246,6 +1264,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = 
         parts.append("replace mask (finite fill)")
     if site.kv_groups > 1:
         parts.append(f"GQA: k/v un-repeated ({site.kv_groups} q heads per kv head)")
+    if site.sinks is not None:
+        parts.append("sinks (a logit per head in the softmax, dropped after it)")
     if site.dropout_p:
         parts.append(f"dropout p={site.dropout_p:g} " + ("in SDPA" if as_sdpa else "in the kernel"))
     if site.softcap:
@@ -1270,8 +1290,12 @@ def _op_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, replaced) -> fx
     extra = {"softcap": float(site.softcap)} if site.softcap else {}
     if replaced is not None:  # scores a finite fill replaced are the bias alone (attention_bias.py)
         extra["replace"] = replaced
-    op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
-                    **extra)
+    if site.sinks is not None:  # match_attention took neither softcap nor replace with sinks
+        sinks = b.method("reshape", site.sinks, -1)
+        op = b.function(SINKS_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), sinks, *seed)
+    else:
+        op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
+                        **extra)
     out = b.function(operator.getitem, op, 0)
     if site.safe:  # _safe_softmax / SDPA: 0 in the rows whose every score is -inf
         out = _zero_dead_rows(b, op, out)

@@ -1,0 +1,178 @@
+"""`fuse_plugin::attention_sinks`: attention with a learned per-head sink logit (gpt-oss).
+
+    out, lse = torch.ops.fuse_plugin.attention_sinks(q, k, v, attn_bias, dropout_p, is_causal,
+                                                     scale, sinks, dropout_seed=None)
+
+computes what HF gpt-oss's eager attention does: the softmax over the scores with one more
+column, the head's sink logit, which is then dropped,
+
+    p = softmax([q·kᵀ·scale + bias [causal], sinks[h]])[..., :-1];   out = p · v
+
+Args: q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed as `fuse_plugin::attention`
+(ops/attention.py: shapes, layouts, GQA, dropout); sinks (Hq,) float, in the scores' units (after
+the scale). Returns out (B, Hq, Lq, Dv), laid out like the attention op's, and lse (B, Hq, Lq)
+float32: the log of the softmax's denominator, the sink included. A row whose every key is masked
+gives out 0 and lse = its sink (the sink takes all the weight), where plain attention gives NaN.
+
+How: the sink only adds exp(sink) to each row's denominator, so the attention op's (out₀, lse₀)
+give the result exactly, lse = logaddexp(lse₀, sink) and out = out₀ · exp(lse₀ − lse): one pass
+over out after the kernels (no kernel change; dropout scales the kept weights uniformly, so the
+same holds). The backward is the attention op's with this (out, lse): its kernels rebuild the
+weights as exp(s − lse), which is the sink-normalised p, and take Δ = rowsum(dO ∘ O); the sink's
+gradient is dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse[b,h,i]) · Δ[b,h,i]. On the CPU the reference
+computes with the sink in its softmax, in the compute dtype (float64 stays exact), and returns
+the sink's gradient itself (reference.attention_forward / attention_backward's ``sinks``).
+No softcap or replace mask (the recogniser declines them); no DTensor sharding rule.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..kernels.call import check_dropout
+from . import inductor, reference
+from .attention import (_LIB, _kernels, _runs_kernel, bias_4d, check_bias, empty_out, forward_impl, period_of,
+                        reduce_dbias, whole_bias)
+from ..kernels.host import in_layout_of, layout_like
+
+_LIB.define(
+    "attention_sinks(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, float dropout_p, bool is_causal, "
+    "float scale, Tensor sinks, Tensor? dropout_seed=None) -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define(
+    "attention_sinks_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor out, "
+    "Tensor lse, Tensor sinks, float dropout_p, bool is_causal, float scale, Tensor? dropout_seed, "
+    "bool need_dbias) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+
+
+def check_sinks(sinks: Tensor, q: Tensor) -> None:
+    if not isinstance(sinks, Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1]:
+        raise ValueError(f"fuse_plugin::attention_sinks: sinks must be a 1-D tensor of the {q.shape[1]} query "
+                         f"heads, got {tuple(sinks.shape) if isinstance(sinks, Tensor) else type(sinks).__name__}")
+    if not sinks.dtype.is_floating_point:
+        raise ValueError(f"fuse_plugin::attention_sinks: sinks must be floating point, got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"fuse_plugin::attention_sinks: sinks on {sinks.device}, q on {q.device}")
+
+
+def _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks) -> None:
+    check_dropout(dropout_p, dropout_seed, q)
+    check_bias(attn_bias, q, k)
+    check_sinks(sinks, q)
+
+
+def merge_sinks(out0: Tensor, lse0: Tensor, sinks: Tensor, q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the softmax with the sink column from the attention op's (out₀, lse₀)."""
+    s = sinks.float().view(1, -1, 1)
+    lse = torch.logaddexp(lse0, s)
+    w = torch.exp(lse0 - lse).unsqueeze(-1)  # 0 where lse₀ = -inf: out₀ is NaN there, out is 0
+    out = empty_out(q, v)
+    out.copy_(torch.where(w > 0, out0.float() * w, 0.0))
+    return out, lse.contiguous()
+
+
+def attention_sinks(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], dropout_p: float,
+                    is_causal: bool, scale: float, sinks: Tensor,
+                    dropout_seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks)
+    if _runs_kernel(q, v):
+        out0, lse0 = forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
+        return merge_sinks(out0, lse0, sinks, q, v)
+    # the reference, with the sink in its softmax in the compute dtype (float64 stays exact)
+    bias = whole_bias(attn_bias, q, k) if period_of(attn_bias, q) is not None else bias_4d(attn_bias, q, k)
+    out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, sinks=sinks)
+    return out.transpose(1, 2).contiguous().transpose(1, 2), lse
+
+
+@torch.library.register_fake("fuse_plugin::attention_sinks", lib=_LIB)
+def _(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None):
+    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks)
+    b, hq, lq, _ = q.shape
+    return empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse[b,h,i]) · rowsum(dO ∘ O)[b,h,i], in sinks' dtype."""
+    delta = (dout.float() * out.float()).sum(-1)
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
+
+
+def attention_sinks_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor],
+                             out: Tensor, lse: Tensor, sinks: Tensor, dropout_p: float, is_causal: bool,
+                             scale: float, dropout_seed: Optional[Tensor], need_dbias: bool):
+    """dq, dk, dv, dbias (empty unless need_dbias) and dsinks (sinks' shape and dtype)."""
+    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks)
+    bias = bias_4d(attn_bias, q, k)
+    if _runs_kernel(q, v):
+        dq, dk, dv, ds = _kernels().attention_backward(
+            dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
+            dropout_p=dropout_p, dropout_seed=dropout_seed)
+        dsinks = sinks_grad(dout, out, lse, sinks)
+    else:
+        if period_of(attn_bias, q) is not None:
+            bias = whole_bias(attn_bias, q, k)
+        dq, dk, dv, ds, dsinks = reference.attention_backward(
+            dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, sinks=sinks)
+        dq, dk, dv = in_layout_of(dq, q), in_layout_of(dk, k), in_layout_of(dv, v)
+    return dq, dk, dv, reduce_dbias(ds, attn_bias, q, need_dbias), dsinks
+
+
+@torch.library.register_fake("fuse_plugin::attention_sinks_backward", lib=_LIB)
+def _(dout, q, k, v, attn_bias, out, lse, sinks, dropout_p, is_causal, scale, dropout_seed, need_dbias):
+    dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
+    return (layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype), dbias,
+            sinks.new_empty(sinks.shape))
+
+
+class _SinksFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed):
+        with torch._C._AutoDispatchBelowAutograd():
+            out, lse = torch.ops.fuse_plugin.attention_sinks.default(
+                q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed)
+        ctx.save_for_backward(q, k, v, attn_bias, out, lse, sinks, dropout_seed)
+        ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, attn_bias, out, lse, sinks, dropout_seed = ctx.saved_tensors
+        if dout is None:
+            return (None,) * 9
+        need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
+        dq, dk, dv, dbias, dsinks = torch.ops.fuse_plugin.attention_sinks_backward.default(
+            dout, q, k, v, attn_bias, out, lse, sinks, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed,
+            need_dbias)
+        return dq, dk, dv, (dbias if need_dbias else None), None, None, None, dsinks, None
+
+
+def _attention_sinks_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_bias, sinks)):
+        return _SinksFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.fuse_plugin.attention_sinks.default(q, k, v, attn_bias, dropout_p, is_causal, scale,
+                                                             sinks, dropout_seed)
+
+
+def _attention_sinks_backward_autograd(*args):
+    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
+        raise RuntimeError("fuse_plugin::attention_sinks_backward is not differentiable (no double "
+                           "backward through attention)")
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.fuse_plugin.attention_sinks_backward.default(*args)
+
+
+_LIB.impl("attention_sinks", attention_sinks, "CompositeExplicitAutograd")
+_LIB.impl("attention_sinks", _attention_sinks_autograd, "Autograd")
+_LIB.impl("attention_sinks_backward", attention_sinks_backward, "CompositeExplicitAutograd")
+_LIB.impl("attention_sinks_backward", _attention_sinks_backward_autograd, "Autograd")
+
+# Compiled, the ops decompose into the attention kernels' launches and the merge (ops/inductor.py).
+inductor.register("fuse_plugin::attention_sinks", attention_sinks)
+inductor.register("fuse_plugin::attention_sinks_backward", attention_sinks_backward)
