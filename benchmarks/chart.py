@@ -45,7 +45,7 @@ def series(data: dict) -> list[dict]:
     z = data["zoo"]
     if z.get("results"):
         p = z["provenance"]
-        group = f"timm zoo ({p['stop']}, {p['date']})"
+        group = f"timm zoo, {p['gpu']} ({p['stop']}, {p['date']})"
         for r in z["results"]["rows"]:
             ratio = current.zoo_ratio(r)
             if ratio is not None:

@@ -191,6 +191,11 @@ def shapes_section(data: dict) -> list[str]:
     return out
 
 
+def _as_sdpa(plugin: dict) -> str:
+    n = plugin.get("attention_as_sdpa", 0)
+    return f" ({n} as SDPA)" if n else ""
+
+
 def zoo_section(data: dict) -> list[str]:
     z = data["zoo"]
     out = ["### Zoo (timm models)", ""]
@@ -217,7 +222,8 @@ def zoo_section(data: dict) -> list[str]:
         plugin = r.get("variants", {}).get("plugin", {})
         rows.append([r["model"], r["task"], r["mode"], *[cell(r, v) for v in variants],
                      None if ratio is None else f"{ratio:.2f}",
-                     f"{plugin['attention']} / {plugin.get('attention_left', 0)}" if "attention" in plugin else None])
+                     f"{plugin['attention']}{_as_sdpa(plugin)} / {plugin.get('attention_left', 0)}" if "attention" in plugin
+                     else None])
     out += _table(["model", "task", "mode", *variants, "plugin / best", "attn fused / left"], rows)
     return out
 
@@ -279,6 +285,22 @@ def current_section(data: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _zoo_headline(data: dict) -> list[str]:
+    """The zoo's line, once measured: how many rows hold, and the ones that do not."""
+    z = data["zoo"]
+    if not z.get("results"):
+        return []
+    p = z["provenance"]
+    rows = [(f"{r['model']} {r['task']}", zoo_ratio(r)) for r in z["results"]["rows"]]
+    rows = [(n, x) for n, x in rows if x is not None]
+    below = ", ".join(f"{n} {x:.3f}" for n, x in rows if x < 1.0)
+    modes = sorted({r["mode"] for r in z["results"]["rows"]})
+    return [f"* **timm zoo** (10 models with their hand-written attention, batch 64, on one {p['gpu']}; "
+            f"{', '.join(modes)} mode): {sum(x >= 1.0 for _, x in rows)} of {len(rows)} rows at or above "
+            f"the better of stock compile and timm's fused path, {_range(x for _, x in rows)}x"
+            + (f"; below: {below}" if below else "") + f" ({p['stop']}, {p['date']})."]
+
+
 def headlines(data: dict) -> str:
     """The README's Performance figures (between the markers): a few, each pointing to its table."""
     med = e2e_median(data)
@@ -308,6 +330,7 @@ def headlines(data: dict) -> str:
         f"* **Kernels**: bf16 attention, head dim 128, causal, 4k tokens: {att['ours'][0]} / {att['ours'][1]} "
         f"TFLOP/s forward / backward, against FlashAttention-2's {att['flash'][0]} / {att['flash'][1]} and "
         f"cuDNN's {att['cudnn'][0]} / {att['cudnn'][1]} ({ap['stop']}, {ap['date']}).",
+    ] + _zoo_headline(data) + [
         "",
         f"Every table, with its command and provenance: [benchmarks/RESULTS.md, Current results]({link}).",
     ]

@@ -31,7 +31,8 @@ brackets), ``plugin / best`` the plugin's median over the better of compile and 
 
 Per row also: ``attn fused / left`` = the attention sites the plugin's rewrite fused and those it
 matched but left to Inductor by its per-shape choice (``counters["fuse_plugin"]["attention"]`` and
-``["attention_left"]`` over the plugin variant's compile; 0 where a key is absent); parity = the
+``["attention_left"]`` over the plugin variant's compile; 0 where a key is absent), with "(N as SDPA)"
+where the choice made N of the fused ones SDPA calls (``["attention_as_sdpa"]``); parity = the
 plugin's logits of its first warm-up step against the eager hand-written model's, same weights,
 same dtype (max |diff|, and that over max |eager logit|; printed, never a failure); ``graphs`` =
 Dynamo graphs compiled per variant, in column order (more than 1: a graph break or a recompile);
@@ -344,9 +345,15 @@ def graphs_compiled() -> int:
     return _counters()["stats"]["unique_graphs"]
 
 
+def _as_sdpa(plugin: dict) -> str:
+    """" (N as SDPA)" where the choice made N of the fused sites SDPA calls, else ""."""
+    n = plugin.get("attention_as_sdpa", 0)
+    return f" ({n} as SDPA)" if n else ""
+
+
 def plugin_counts() -> dict[str, int]:
     c = _counters()["fuse_plugin"]
-    return {k: int(c.get(k, 0)) for k in ("attention", "attention_left", "rotary")}
+    return {k: int(c.get(k, 0)) for k in ("attention", "attention_as_sdpa", "attention_left", "rotary")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -523,7 +530,8 @@ def table(rows, variants) -> list[str]:
         cells = [fmt_cell(row, v) for v in variants]
         r = ratio(row)
         plugin = row["variants"].get("plugin", {})
-        sites = (f"{plugin['attention']} / {plugin['attention_left']}" if "attention" in plugin else "-")
+        sites = (f"{plugin['attention']}{_as_sdpa(plugin)} / {plugin['attention_left']}" if "attention" in plugin
+                 else "-")
         par = f"{plugin['max_abs']:.2e} ({plugin['rel']:.1e})" if "max_abs" in plugin else "-"
         graphs = "/".join(str(row["variants"][v].get("graphs", "-")) for v in variants if v in row["variants"])
         lines.append(head + " | ".join(cells) + f" | {f'{r:.2f}' if r else '-'} | {sites} | {par} | {graphs} | "

@@ -98,7 +98,9 @@ def test_chart_bars(data):
     assert min(b["ratio"] for b in shapes) >= 1.0
     long = [b for b in bars if b["group"].startswith("Long context")]
     assert [round(b["ratio"], 2) for b in long] == [round(current.e2e_median(data)[t], 2) for t in ("train", "infer")]
-    assert not any(b["group"].startswith("timm zoo") for b in bars)  # not measured yet
+    zoo = [b for b in bars if b["group"].startswith("timm zoo")]
+    assert len(zoo) == len(data["zoo"]["results"]["rows"]) == 20  # stop 23, default mode only
+    assert data["zoo"]["provenance"]["gpu"] in zoo[0]["group"]  # not the shapes' GPU: said in the heading
 
 
 def _zoo_json(tmp_path) -> Path:

@@ -158,7 +158,11 @@ def _fused(report: Report):
 
 
 def test_plain_site_becomes_sdpa(sdpa_measured_fastest):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     targets, report = rewritten(plain, *qkv())
+    assert counters["fuse_plugin"]["attention_as_sdpa"] == 1  # zoo.py's "(N as SDPA)"
     assert F.scaled_dot_product_attention in targets
     assert attention.ATTENTION_OP not in targets
     (detail,) = _fused(report)

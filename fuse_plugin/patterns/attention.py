@@ -68,6 +68,7 @@ from typing import Any, Optional, Union
 
 import torch
 from torch import fx
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
@@ -1400,6 +1401,8 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
                 continue
             detail = replace(gm, site, ctx, as_sdpa=decision.as_sdpa)
             report.replaced(KIND, sm, detail + (f"; {decision.reason}" if decision.reason else ""))
+            if decision.as_sdpa:  # counted among the replaced too ("attention")
+                counters["fuse_plugin"]["attention_as_sdpa"] += 1
         except Exception as e:  # noqa: BLE001  (never break compile: leave this site as it was)
             log.warning("fuse_plugin: attention at %s left unfused after an internal error", sm.name, exc_info=True)
             report.missed(KIND, sm, f"internal error, left unfused: {type(e).__name__}: {e}")
