@@ -470,6 +470,11 @@ def scenario_eager_ops(ctx):
           [Shard(1)] * 3 + [Replicate()])
     check("attention batch, per-row bias", attn, [q, k, v, bias], [Shard(0)] * 4)
     check("attention replicated", attn, [q, k, v, bias], [Replicate()] * 4)
+    sinks = rnd(Hq)
+    sink_op = lambda q, k, v, b, s: ops.attention_sinks(q, k, v, b, 0.0, True, D ** -0.5, s)  # noqa: E731
+    check("attention_sinks heads (sinks with them)", sink_op, [q, k, v, bias, sinks],
+          [Shard(1)] * 3 + [Replicate(), Shard(0)])
+    check("attention_sinks batch (dsinks Partial)", sink_op, [q, k, v, bias, sinks], [Shard(0)] * 4 + [Replicate()])
     rope = lambda q, k, v, c, s: ops.rope_attention(q, k, v, c, s, False, D, None, 0.0, True, D ** -0.5)  # noqa: E731
     check("rope_attention heads, learned tables (dcos Partial)", rope, [q, k, v, cos, sin],
           [Shard(1)] * 3 + [Replicate()] * 2)

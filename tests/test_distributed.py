@@ -133,6 +133,8 @@ EAGER_CASES = {  # case: the placements of the outputs and of the inputs' gradie
     "rotary sequence, replicated tables sliced locally": (["S2"], ["S2", "S2", "S2"]),
     "rotary batch": (["S0"], ["S0", "P", "P"]),
     "rotary_qk heads": (["S1", "S1"], ["S1", "S1", "P", "P"]),
+    "attention_sinks heads (sinks with them)": (["S1", "S1"], ["S1", "S1", "S1", "P", "S0"]),
+    "attention_sinks batch (dsinks Partial)": (["S0", "S0"], ["S0", "S0", "S0", "S0", "P"]),
     "rotary_qk sequence": (["S2", "S2"], ["S2", "S2", "S2", "S2"]),
 }
 _SHORT = {"(Shard(dim=0),)": "S0", "(Shard(dim=1),)": "S1", "(Shard(dim=2),)": "S2", "(Replicate(),)": "R",

@@ -1,14 +1,13 @@
 """The custom ops (namespace `fuse_plugin`), registered on import.
 
     torch.ops.fuse_plugin.attention / attention_backward   (ops/attention.py)
-    torch.ops.fuse_plugin.attention_sinks / _backward       (ops/attention_sinks.py; no DTensor rule)
+    torch.ops.fuse_plugin.attention_sinks / _backward       (ops/attention_sinks.py)
     torch.ops.fuse_plugin.rotary / rotary_backward          (ops/rotary.py)
     torch.ops.fuse_plugin.rotary_qk / rotary_qk_backward
     torch.ops.fuse_plugin.rope_attention / rope_attention_backward   (ops/rope_attention.py)
     torch.ops.fuse_plugin.gluon_attention_forward / _backward      (ops/gluon.py; internal)
 
-Each but attention_sinks has a DTensor sharding rule (ops/sharding.py), so the ops also run on
-DTensors.
+Each has a DTensor sharding rule (ops/sharding.py), so the ops also run on DTensors.
 
 Compiled by Inductor, the ops decompose into their kernels' launches (ops/inductor.py).
 """

@@ -22,7 +22,8 @@ weights as exp(s − lse), which is the sink-normalised p, and take Δ = rowsum(
 gradient is dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse[b,h,i]) · Δ[b,h,i]. On the CPU the reference
 computes with the sink in its softmax, in the compute dtype (float64 stays exact), and returns
 the sink's gradient itself (reference.attention_forward / attention_backward's ``sinks``).
-No softcap or replace mask (the recogniser declines them); no DTensor sharding rule.
+No softcap or replace mask (the recogniser declines them). DTensors: ops/sharding.py (sinks follow
+the heads).
 """
 from __future__ import annotations
 

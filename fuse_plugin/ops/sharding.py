@@ -22,6 +22,8 @@ That is right only for some placements; these are the ones each op takes, on eve
     these placements takes it as it is (it is one of the cache key's non-tensor arguments).
     replace (attention, attention_backward): a bool mask broadcast to the scores like attn_bias,
     and placed like it (Shard on the batch / head dim it holds, else Replicate).
+  attention_sinks, attention_sinks_backward: as attention; sinks (Hq,) Shard(0) with the heads,
+    Replicate with the batch; its gradient likewise, a Partial sum over batch shards.
 
   rotary, rotary_backward, rotary_qk, rotary_qk_backward (pointwise over every leading dim)
     Replicate, or x (q and k, their gradients) Shard(d) on one leading dim d (batch, heads or
@@ -95,7 +97,8 @@ class _Rule:
       "bcast"  tensors broadcast to the frame, right-aligned (attn_bias, cos, sin): sharded like
                the lead on a dim they hold (size > 1), Replicate where they broadcast (size 1 or
                absent);
-      "scalar" a seed: always Replicate.
+      "scalar" a seed: always Replicate;
+      "heads"  a 1-D tensor over the q heads (sinks): Shard(0) with the heads, else Replicate.
 
     A mesh dim's mode is None (replicated) or a frame dim as a negative index. Attention-like ops
     (`frame` = 4: the (B, H, L, D) frame) shard at -4 (batch) or -3 (heads); their "main" tensors
@@ -191,6 +194,8 @@ class _Rule:
         role = self.roles[name]
         if mode is None or role == "scalar":
             return Replicate()
+        if role == "heads":
+            return Shard(0) if mode == 1 - self.frame else Replicate()
         if role == "main":
             return Shard((self.frame if self.frame is not None else spec.ndim) + mode)
         return Shard(spec.ndim + mode) if _holds(spec, mode) else Replicate()
@@ -289,6 +294,13 @@ def _attention_backward_outputs(rule, mode, v):
     return grads + [_grad_of(mode, bias, bool(v.get("need_dbias", False)))]
 
 
+def _sinks_backward_outputs(rule, mode, v):
+    """dq, dk, dv, dbias and dsinks: with the heads Shard(0), over batch shards a Partial sum."""
+    _, Replicate, Shard, Partial = _spec_types()
+    dsinks = Replicate() if mode is None else Shard(0) if mode == 1 - rule.frame else Partial()
+    return _attention_backward_outputs(rule, mode, v) + [dsinks]
+
+
 def _rope_attention_backward_outputs(rule, mode, v):
     tables = bool(v.get("need_dtables", False))
     return _attention_backward_outputs(rule, mode, v) + [_grad_of(mode, v["cos"], tables),
@@ -316,6 +328,9 @@ def _rules() -> dict[str, _Rule]:
     specs = {  # name: (roles, lead, outputs, frame, head args, dropout arg)
         "attention": (attn, "q", _attention_outputs, 4, qkv, "dropout_p"),
         "attention_backward": (dict(attn, **bwd), "q", _attention_backward_outputs, 4, qkv, "dropout_p"),
+        "attention_sinks": (dict(attn, sinks="heads"), "q", _attention_outputs, 4, qkv, "dropout_p"),
+        "attention_sinks_backward": (dict(attn, sinks="heads", **bwd), "q", _sinks_backward_outputs, 4, qkv,
+                                     "dropout_p"),
         "rope_attention": (rope, "q", _attention_outputs, 4, qkv, "dropout_p"),
         "rope_attention_backward": (dict(rope, **bwd), "q", _rope_attention_backward_outputs, 4, qkv, "dropout_p"),
         "gluon_attention_forward": (dict(q="main", k="main", v="main"), "q", _attention_outputs, 4, qkv, None),

@@ -69,7 +69,6 @@ from typing import Any, Optional, Union
 import torch
 from torch import fx
 from torch._dynamo.utils import counters
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
 from . import choice, sinks as sink_form
@@ -702,8 +701,6 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     if form is not None:
         if any(isinstance(p, MaskFill) and p.value != -math.inf for p in masks.bias_parts):
             return "sinks next to a finite fill (the sinks op has no replace mask)"
-        if any(is_traceable_wrapper_subclass(x.value()) for x in (o.q, k, v)):
-            return "sinks on tensor subclasses (DTensor: the sinks op has no sharding rule)"
         inputs.append(form.sinks)
     matched = _site_nodes(sc, softmax, ws, inputs, form.nodes if form is not None else ())
     if isinstance(matched, str):
