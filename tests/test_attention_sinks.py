@@ -222,3 +222,35 @@ def test_hf_gpt_oss_eager(monkeypatch):
     for name in want_g:
         check_close(name, got_g[name], want_g[name], 1e-4)
     assert any("sinks" in n for n in got_g)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_finite_fill_next_to_a_bias_through_the_replace_mask(monkeypatch, kernels):
+    """masked_fill with a finite value, then an additive bias, then the sink column: the op's
+    replace mask (the filled scores are the fill value, no gradient into q·kᵀ there)."""
+    from helpers import rewrite_aot_eager
+
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "ours")
+
+    def f(q, k, v, keep, bias, sinks):
+        s = (q @ k.transpose(2, 3) * 0.25).masked_fill(~keep, -1e4) + bias
+        c = torch.cat([s, sinks.reshape(1, -1, 1, 1).expand(2, -1, 9, -1)], dim=-1)
+        return torch.softmax(c, dim=-1)[..., :-1] @ v
+
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 4, 9, 16, requires_grad=True) for _ in range(3))
+    keep = torch.rand(2, 1, 9, 9) > 0.3
+    bias = torch.randn(1, 4, 9, 9, requires_grad=True)
+    sinks = torch.randn(4, requires_grad=True)
+    ts = (q, k, v, bias, sinks)
+    want = f(q, k, v, keep, bias, sinks)
+    want_g = torch.autograd.grad(want.sum(), ts)
+    torch._dynamo.reset()
+    counters.clear()
+    with cpu_kernels(kernels):
+        got = torch.compile(f, backend=rewrite_aot_eager)(q, k, v, keep, bias, sinks)
+        got_g = torch.autograd.grad(got.sum(), ts)
+    assert counters["fuse_plugin"]["attention"] == 1
+    check_close("out", got, want, 1e-5)
+    for name, g, w in zip(("dq", "dk", "dv", "dbias", "dsinks"), got_g, want_g):
+        check_close(name, g, w, 1e-4)

@@ -1,7 +1,7 @@
 """`fuse_plugin::attention_sinks`: attention with a learned per-head sink logit (gpt-oss).
 
     out, lse = torch.ops.fuse_plugin.attention_sinks(q, k, v, attn_bias, dropout_p, is_causal,
-                                                     scale, sinks, dropout_seed=None)
+                                                     scale, sinks, dropout_seed=None, replace=None)
 
 computes what HF gpt-oss's eager attention does: the softmax over the scores with one more
 column, the head's sink logit, which is then dropped,
@@ -22,7 +22,8 @@ weights as exp(s − lse), which is the sink-normalised p, and take Δ = rowsum(
 gradient is dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse[b,h,i]) · Δ[b,h,i]. On the CPU the reference
 computes with the sink in its softmax, in the compute dtype (float64 stays exact), and returns
 the sink's gradient itself (reference.attention_forward / attention_backward's ``sinks``).
-No softcap or replace mask (the recogniser declines them). DTensors: ops/sharding.py (sinks follow
+replace: the attention op's replace mask (a finite fill next to additive terms), passed through.
+No softcap (the recogniser declines it). DTensors: ops/sharding.py (sinks follow
 the heads).
 """
 from __future__ import annotations
@@ -34,18 +35,18 @@ from torch import Tensor
 
 from ..kernels.call import check_dropout
 from . import inductor, reference
-from .attention import (_LIB, _kernels, _runs_kernel, bias_4d, check_bias, empty_out, forward_impl, period_of,
-                        reduce_dbias, whole_bias)
+from .attention import (_LIB, _extra, _kernels, _runs_kernel, bias_4d, check_bias, check_replace, empty_out,
+                        forward_impl, period_of, reduce_dbias, whole_bias)
 from ..kernels.host import in_layout_of, layout_like
 
 _LIB.define(
     "attention_sinks(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, float dropout_p, bool is_causal, "
-    "float scale, Tensor sinks, Tensor? dropout_seed=None) -> (Tensor, Tensor)",
+    "float scale, Tensor sinks, Tensor? dropout_seed=None, Tensor? replace=None) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define(
     "attention_sinks_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor out, "
     "Tensor lse, Tensor sinks, float dropout_p, bool is_causal, float scale, Tensor? dropout_seed, "
-    "bool need_dbias) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "bool need_dbias, Tensor? replace=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 
 
@@ -59,9 +60,10 @@ def check_sinks(sinks: Tensor, q: Tensor) -> None:
         raise ValueError(f"fuse_plugin::attention_sinks: sinks on {sinks.device}, q on {q.device}")
 
 
-def _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks) -> None:
+def _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace=None) -> None:
     check_dropout(dropout_p, dropout_seed, q)
     check_bias(attn_bias, q, k)
+    check_replace(replace, attn_bias, q, k)
     check_sinks(sinks, q)
 
 
@@ -76,21 +78,23 @@ def merge_sinks(out0: Tensor, lse0: Tensor, sinks: Tensor, q: Tensor, v: Tensor)
 
 
 def attention_sinks(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], dropout_p: float,
-                    is_causal: bool, scale: float, sinks: Tensor,
-                    dropout_seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks)
+                    is_causal: bool, scale: float, sinks: Tensor, dropout_seed: Optional[Tensor] = None,
+                    replace: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace)
     if _runs_kernel(q, v):
-        out0, lse0 = forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
+        out0, lse0 = forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, replace=replace)
         return merge_sinks(out0, lse0, sinks, q, v)
     # the reference, with the sink in its softmax in the compute dtype (float64 stays exact)
-    bias = whole_bias(attn_bias, q, k) if period_of(attn_bias, q) is not None else bias_4d(attn_bias, q, k)
-    out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, sinks=sinks)
+    P = period_of(attn_bias, q)
+    bias = whole_bias(attn_bias, q, k) if P is not None else bias_4d(attn_bias, q, k)
+    out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, sinks=sinks,
+                                           **_extra(0.0, replace, q, k, whole=P is not None, period=P))
     return out.transpose(1, 2).contiguous().transpose(1, 2), lse
 
 
 @torch.library.register_fake("fuse_plugin::attention_sinks", lib=_LIB)
-def _(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None):
-    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks)
+def _(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None, replace=None):
+    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace)
     b, hq, lq, _ = q.shape
     return empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
 
@@ -104,26 +108,30 @@ def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
 
 def attention_sinks_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor],
                              out: Tensor, lse: Tensor, sinks: Tensor, dropout_p: float, is_causal: bool,
-                             scale: float, dropout_seed: Optional[Tensor], need_dbias: bool):
+                             scale: float, dropout_seed: Optional[Tensor], need_dbias: bool,
+                             replace: Optional[Tensor] = None):
     """dq, dk, dv, dbias (empty unless need_dbias) and dsinks (sinks' shape and dtype)."""
-    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks)
+    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace)
     bias = bias_4d(attn_bias, q, k)
+    P = period_of(attn_bias, q)
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
-            dropout_p=dropout_p, dropout_seed=dropout_seed)
+            dropout_p=dropout_p, dropout_seed=dropout_seed, **_extra(0.0, replace, q, k, period=P))
         dsinks = sinks_grad(dout, out, lse, sinks)
     else:
-        if period_of(attn_bias, q) is not None:
+        if P is not None:
             bias = whole_bias(attn_bias, q, k)
         dq, dk, dv, ds, dsinks = reference.attention_backward(
-            dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, sinks=sinks)
+            dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, sinks=sinks,
+            **_extra(0.0, replace, q, k, whole=P is not None, period=P))
         dq, dk, dv = in_layout_of(dq, q), in_layout_of(dk, k), in_layout_of(dv, v)
     return dq, dk, dv, reduce_dbias(ds, attn_bias, q, need_dbias), dsinks
 
 
 @torch.library.register_fake("fuse_plugin::attention_sinks_backward", lib=_LIB)
-def _(dout, q, k, v, attn_bias, out, lse, sinks, dropout_p, is_causal, scale, dropout_seed, need_dbias):
+def _(dout, q, k, v, attn_bias, out, lse, sinks, dropout_p, is_causal, scale, dropout_seed, need_dbias,
+      replace=None):
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     return (layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype), dbias,
             sinks.new_empty(sinks.shape))
@@ -131,11 +139,11 @@ def _(dout, q, k, v, attn_bias, out, lse, sinks, dropout_p, is_causal, scale, dr
 
 class _SinksFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed):
+    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed, replace):
         with torch._C._AutoDispatchBelowAutograd():
             out, lse = torch.ops.fuse_plugin.attention_sinks.default(
-                q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed)
-        ctx.save_for_backward(q, k, v, attn_bias, out, lse, sinks, dropout_seed)
+                q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed, *_opt(replace))
+        ctx.save_for_backward(q, k, v, attn_bias, out, lse, sinks, dropout_seed, replace)
         ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -143,22 +151,28 @@ class _SinksFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, attn_bias, out, lse, sinks, dropout_seed = ctx.saved_tensors
+        q, k, v, attn_bias, out, lse, sinks, dropout_seed, replace = ctx.saved_tensors
         if dout is None:
-            return (None,) * 9
+            return (None,) * 10
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dbias, dsinks = torch.ops.fuse_plugin.attention_sinks_backward.default(
             dout, q, k, v, attn_bias, out, lse, sinks, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed,
-            need_dbias)
-        return dq, dk, dv, (dbias if need_dbias else None), None, None, None, dsinks, None
+            need_dbias, *_opt(replace))
+        return dq, dk, dv, (dbias if need_dbias else None), None, None, None, dsinks, None, None
 
 
-def _attention_sinks_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None):
+def _opt(replace: Optional[Tensor]) -> tuple:
+    """The trailing replace argument, only when given (graphs without one keep the short call)."""
+    return (replace,) if replace is not None else ()
+
+
+def _attention_sinks_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None,
+                              replace=None):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_bias, sinks)):
-        return _SinksFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed)
+        return _SinksFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed, replace)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.fuse_plugin.attention_sinks.default(q, k, v, attn_bias, dropout_p, is_causal, scale,
-                                                             sinks, dropout_seed)
+                                                             sinks, dropout_seed, *_opt(replace))
 
 
 def _attention_sinks_backward_autograd(*args):

@@ -699,8 +699,6 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     scale_nodes = o.runtime_scale + masks.scale_nodes
     inputs = [o.q.node, k.node, v.node] + [n for n, _ in scale_nodes] + [_part_node(p) for p in masks.bias_parts]
     if form is not None:
-        if any(isinstance(p, MaskFill) and p.value != -math.inf for p in masks.bias_parts):
-            return "sinks next to a finite fill (the sinks op has no replace mask)"
         inputs.append(form.sinks)
     matched = _site_nodes(sc, softmax, ws, inputs, form.nodes if form is not None else ())
     if isinstance(matched, str):
@@ -1288,9 +1286,11 @@ def _op_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, replaced) -> fx
     extra = {"softcap": float(site.softcap)} if site.softcap else {}
     if replaced is not None:  # scores a finite fill replaced are the bias alone (attention_bias.py)
         extra["replace"] = replaced
-    if site.sinks is not None:  # match_attention took neither softcap nor replace with sinks
+    if site.sinks is not None:  # match_attention took no softcap with sinks
         sinks = b.method("reshape", site.sinks, -1)
-        op = b.function(SINKS_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), sinks, *seed)
+        rep = {"replace": replaced} if replaced is not None else {}
+        op = b.function(SINKS_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), sinks, *seed,
+                        **rep)
     else:
         op = b.function(ATTENTION_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), *seed,
                         **extra)
