@@ -254,3 +254,42 @@ def test_finite_fill_next_to_a_bias_through_the_replace_mask(monkeypatch, kernel
     check_close("out", got, want, 1e-5)
     for name, g, w in zip(("dq", "dk", "dv", "dbias", "dsinks"), got_g, want_g):
         check_close(name, g, w, 1e-4)
+
+
+GPU_CASES = {  # name: (dtype, B, Hq, Hkv, Lq, Lk, D, causal, bias)
+    "bf16-d64-gqa-causal-l200": (torch.bfloat16, 2, 8, 2, 200, 200, 64, True, "pad_min"),
+    "bf16-d128-l17": (torch.bfloat16, 1, 4, 4, 17, 17, 128, False, "float"),
+    "fp16-d64-l1-lk1000": (torch.float16, 2, 4, 1, 1, 1000, 64, False, None),
+    "fp32-d80-l49": (torch.float32, 3, 2, 2, 49, 49, 80, False, "float"),
+}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels need a GPU (CI runs on the CPU)")
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_kernels_match_float64(case):
+    """The sinks op on the GPU's kernel families (whichever the registry picks) against float64
+    eager: out, lse and every gradient; "pad_min" masks whole rows with finfo.min (the one-launch
+    backward's exact-statistics path looks at |lse|)."""
+    dtype, B, Hq, Hkv, Lq, Lk, D, causal, bias_kind = GPU_CASES[case]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, h, n, D, generator=g) for h, n in ((Hq, Lq), (Hkv, Lk), (Hkv, Lk)))
+    sinks = torch.randn(Hq, generator=g) * 2
+    bias = None
+    if bias_kind == "float":
+        bias = torch.randn(B, 1, Lq, Lk, generator=g)
+    elif bias_kind == "pad_min":
+        bias = torch.zeros(B, 1, Lq, Lk)
+        bias[0, :, :, Lk // 2:] = torch.finfo(dtype).min  # padded keys
+        bias[1, :, 3] = torch.finfo(dtype).min  # a row masked everywhere
+    dout = torch.randn(B, Hq, Lq, D, generator=g)
+    ref_in = [t.double().requires_grad_(True) for t in (q, k, v, sinks)]
+    want = eager(*ref_in[:3], None if bias is None else bias.double(), ref_in[3], D ** -0.5, causal)
+    want_g = torch.autograd.grad(want, ref_in, dout.double())
+    gpu = [t.to("cuda", dtype if t is not sinks else torch.float32).requires_grad_(True) for t in (q, k, v, sinks)]
+    out, lse = OP(*gpu[:3], None if bias is None else bias.to("cuda", dtype), 0.0, causal, D ** -0.5, gpu[3])
+    got_g = torch.autograd.grad(out, gpu, dout.to("cuda", dtype))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    check_close("out", out.cpu(), want, tol)
+    for name, got, w in zip(("dq", "dk", "dv", "dsinks"), got_g, want_g):
+        check_close(name, got.cpu(), w, tol)
