@@ -1415,6 +1415,57 @@ not fused: attention weights are used elsewhere (e.g. returned with output_atten
 --- after: unchanged ---
 not fused: mask broadcasts the scores from (2, 4, 8, 8) to (3, 2, 4, 8, 8)""")
 
+    def test_five_d_windows(self):
+        """(B, W, H, L, D) q/k/v (timm Twins' locally-grouped windows): batch and windows merged
+        into the op's batch (flatten, a view here), the output unflattened."""
+        def f(q, k, v):
+            return ((q * 0.25) @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+
+        self.assertExpectedInline(rewrite_listing(f, *(randn(2, 3, H, L, D) for _ in range(3))), """\
+0 input (2, 3, 4, 8, 16)
+1 input (2, 3, 4, 8, 16)
+2 input (2, 3, 4, 8, 16)
+3 mul(#0, 0.25)
+4 transpose(#1, -2, -1)
+5 matmul(#3, #4)
+6 softmax(#5, -1, None)
+7 matmul(#6, #2)
+8 output (#7)
+--- after ---
+0 input (2, 3, 4, 8, 16)
+1 input (2, 3, 4, 8, 16)
+2 input (2, 3, 4, 8, 16)
+3 flatten(#0, 0, 1)
+4 flatten(#1, 0, 1)
+5 flatten(#2, 0, 1)
+6 fuse_plugin.attention(#3, #4, #5, None, 0, False, 0.25)
+7 getitem(#6, 0)
+8 unflatten(#7, 0, (2, 3))
+9 contiguous(#8)
+10 output (#9)
+--- report ---
+fused: scale=0.25""")
+
+    def test_negative_five_d_with_a_mask(self):
+        """5-D scores with a mask: left alone (the op's biases are 4-D)."""
+        def f(q, k, v, mask):
+            return ((q @ k.transpose(-2, -1)) + mask).softmax(dim=-1) @ v
+
+        self.assertExpectedInline(rewrite_listing(f, *(randn(2, 3, H, L, D) for _ in range(3)),
+                                                  randn(3, 1, L, L)), """\
+0 input (2, 3, 4, 8, 16)
+1 input (2, 3, 4, 8, 16)
+2 input (3, 1, 8, 8)
+3 input (2, 3, 4, 8, 16)
+4 transpose(#0, -2, -1)
+5 matmul(#1, #4)
+6 add(#5, #2, 1)
+7 softmax(#6, -1, None)
+8 matmul(#7, #3)
+9 output (#8)
+--- after: unchanged ---
+not fused: a mask on 5-D scores (taken without masks only: the op's biases are 4-D)""")
+
     def test_dropout_in_training(self):
         """p > 0 in training: the op drops inside the kernel, with a seed drawn from torch's RNG."""
         def f(q, k, v):
@@ -1814,3 +1865,34 @@ def test_transformers_eager_attention(arch, padding):
     assert counters["fuse_plugin"]["attention"] == sites
     assert counters["fuse_plugin"]["rope_attention"] == (sites if arch == "llama" else 0)
     assert rel_err(out, ref) <= 1e-5
+
+
+def test_five_d_windows_parity_in_training():
+    """Twins' locally-grouped attention as timm writes it: qkv of (B, W, L, 3, H, D) permuted to
+    5-D q/k/v (B, W, H, L, D), scaled q, softmax, · v, then the heads merged back: outputs and the
+    input's and the projection's gradients equal eager's (float64)."""
+    from helpers import rewrite_aot_eager
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    B, W, L, Hh, Dh = 2, 4, 9, 2, 16
+    proj = torch.nn.Linear(Hh * Dh, 3 * Hh * Dh).double()
+
+    def f(x):
+        qkv = proj(x).reshape(B, W, L, 3, Hh, Dh).permute(3, 0, 1, 4, 2, 5)
+        q, k, v = qkv.unbind(0)
+        attn = (q * Dh ** -0.5) @ k.transpose(-2, -1)
+        out = attn.softmax(dim=-1) @ v
+        return out.transpose(2, 3).reshape(B, W, L, Hh * Dh)
+
+    x = torch.randn(B, W, L, Hh * Dh, dtype=torch.float64, requires_grad=True)
+    want = f(x)
+    want_g = torch.autograd.grad(want.square().sum(), (x, proj.weight))
+    torch._dynamo.reset()
+    counters.clear()
+    got = torch.compile(f, backend=rewrite_aot_eager)(x)
+    got_g = torch.autograd.grad(got.square().sum(), (x, proj.weight))
+    assert counters["fuse_plugin"]["attention"] == 1
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    for g, w in zip(got_g, want_g):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)

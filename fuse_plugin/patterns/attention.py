@@ -692,6 +692,8 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     masks = _masks(sc, carry, sizes)
     if isinstance(masks, str):
         return masks
+    if sc.rank == 5 and (masks.bias_parts or masks.carry.carried):
+        return "a mask on 5-D scores (taken without masks only: the op's biases are 4-D)"
     kv = _gqa(o, sizes, sc.rank)
     if isinstance(kv, str):
         return kv
@@ -893,8 +895,8 @@ def _product_operands(sc: _ScoresSide, ws: _WeightsSide) -> Union[_Operands, str
     if isinstance(r, str):
         return r
     q, k, qk_scale, runtime_scale = r
-    if sc.rank not in (2, 3, 4):
-        return f"scores of rank {sc.rank} (only 2-D, 3-D and 4-D attention)"
+    if sc.rank not in (2, 3, 4, 5):
+        return f"scores of rank {sc.rank} (only 2-D to 5-D attention)"
     r = _v_in_canonical(sc, ws)
     if isinstance(r, str):
         return r
@@ -1219,6 +1221,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = 
             q, k, v = (b.method("to", t, site.cast) for t in (q, k, v))
         for _ in range(4 - site.rank):
             q, k, v = (b.method("unsqueeze", t, 0) for t in (q, k, v))
+        if site.rank == 5:  # (B, W, H, L, D), Twins' windows: batch and windows merged (a view where they can be)
+            q, k, v = (b.method("flatten", t, 0, 1) for t in (q, k, v))
         bias_dtype = torch.float64 if dtype(site.scores) == torch.float64 else torch.float32
         memo = ctx.setdefault("bias_memo", {})
         bias, bias_kind = build_bias(b, bias_parts, memo, bias_dtype)
@@ -1229,6 +1233,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = 
             out = _op_call(b, site, q, k, v, bias, replaced)
         for _ in range(4 - site.rank):
             out = b.method("squeeze", out, 0)
+        if site.rank == 5:
+            out = b.method("unflatten", out, 0, tuple(example_value(site.scores).shape[:2]))
         for m, *a in site.out_ops:
             out = b.method(m, out, *a)
         want = example_value(site.output)
