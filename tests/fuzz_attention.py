@@ -266,14 +266,7 @@ class FuzzModule(nn.Module):
         if c.product == "sdpa":
             if c.gqa in ("repeat_interleave", "repeat_kv"):
                 k, v = self._repeat(k, v)
-            out = self._sdpa(q, k, v, pad_keep, rand_keep)
-            if c.layout == "blhd":
-                out = out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
-            if c.variant == "v_used":
-                return out, v.sum(-2)
-            if c.variant == "q_used":
-                return out, q.mean(-1)
-            return out
+            return self._finish(self._sdpa(q, k, v, pad_keep, rand_keep), q, v)
         if c.gqa != "none":
             k, v = self._repeat(k, v)
         s = 1.0 / math.sqrt(c.d)
@@ -323,12 +316,17 @@ class FuzzModule(nn.Module):
             out = torch.bmm(p, v)
         else:
             out = torch.matmul(p, v)
+        if c.variant == "weights_used":
+            return self._finish(out, q, v), p.sum(-1)
+        if c.variant == "scores_used":
+            return self._finish(out, q, v), scores.mean(-1)
+        return self._finish(out, q, v)
+
+    def _finish(self, out, q, v):
+        """The heads merged back (blhd), with the positive extras' second output."""
+        c = self.case
         if c.layout == "blhd":
             out = out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
-        if c.variant == "weights_used":
-            return out, p.sum(-1)
-        if c.variant == "scores_used":
-            return out, scores.mean(-1)
         if c.variant == "v_used":
             return out, v.sum(-2)
         if c.variant == "q_used":

@@ -53,10 +53,8 @@ def _sink_column(col: fx.Node, s: tuple) -> Union[fx.Node, str]:
     """The tensor of H sink logits that `col` (B, H, Lq, 1) broadcasts (through expands and float
     casts), or why not."""
     base = col
-    c = call_of(base)
-    while c is not None and (c.name == "expand" or float_cast_dtype(c) is not None or is_identity(c)):
-        base = c["input"]
-        c = call_of(base)
+    while isinstance(base, fx.Node) and (_is_cast(base) or getattr(call_of(base), "name", None) == "expand"):
+        base = call_of(base)["input"]
     if base is not col and not known_equal((shape(base) or (0,))[-1], 1):
         base = col
     bs = shape(base)
@@ -65,6 +63,11 @@ def _sink_column(col: fx.Node, s: tuple) -> Union[fx.Node, str]:
     if not (known_equal(bs[0], 1) and known_equal(bs[2], 1) and known_equal(bs[1], s[1])):
         return f"the column joined to the scores {_fmt(bs)} is not one value per head (1, {s[1]}, 1, 1)"
     return base
+
+
+def _is_cast(node: fx.Node) -> bool:
+    c = call_of(node)
+    return c is not None and (float_cast_dtype(c) is not None or is_identity(c))
 
 
 def _fmt(s) -> str:
@@ -110,8 +113,7 @@ def read(softmax: fx.Node) -> Optional[Union[SinkForm, str]]:
     if norm_dim(cx["dim"], 4) != 3:
         return None
     w, casts = softmax, []
-    while len(w.users) == 1 and call_of(next(iter(w.users))) is not None and (
-            float_cast_dtype(call_of(next(iter(w.users)))) is not None or is_identity(call_of(next(iter(w.users))))):
+    while len(w.users) == 1 and _is_cast(next(iter(w.users))):  # casts of the weights before the slice
         w = next(iter(w.users))
         casts.append(w)
     users = list(w.users)
