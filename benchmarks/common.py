@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -22,3 +23,47 @@ def emit(lines: list[str], out: str | None, quiet: bool = False) -> None:
     if out:
         with open(out, "w") as f:
             f.write(text + "\n")
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profile_steps(step, n: int, title: str, top: int = 25) -> str:
+    """--profile: where n steps of one cell spend their time, per step: the host's time to issue a
+    step (median over n steps, each started on an idle GPU), then under the profiler: wall, the
+    summed time and count of GPU kernels, the host's synchronising calls (any of SYNCS, with
+    their count), and the top kernels by GPU time (names cut to 60 characters)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    issue = []
+    for _ in range(n):  # the host's time to issue one step, the GPU idle at its start
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        issue.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    issue = sorted(issue)[n // 2]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / n
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict = {}
+    for e in kernels:
+        t, c = by_name.get(e.name[:60], (0.0, 0))
+        by_name[e.name[:60]] = (t + e.device_time, c + 1)
+    syncs: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(SYNCS):
+            t, c = syncs.get(e.name, (0.0, 0))
+            syncs[e.name] = (t + e.cpu_time_total, c + 1)
+    gpu = sum(e.device_time for e in kernels) / n
+    lines = [f"[profile] {title}: host issue {issue * 1e6:.0f} us/step (median), wall {wall * 1e6:.0f} "
+             f"us/step, GPU {gpu:.0f} us in {len(kernels) / n:.0f} kernels/step; syncs/step: "
+             + (", ".join(f"{k} {c / n:.1f}x {t / n:.0f}us" for k, (t, c) in syncs.items()) or "none")]
+    for k, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"[profile]   {t / n:8.1f} us x{c / n:<5.1f} {k}")
+    return "\n".join(lines)

@@ -3,7 +3,7 @@
     python benchmarks/zoo.py [--models vit_s16,swin_t,...] [--tasks infer,train]
                              [--modes default,reduce-overhead] [--variants compile,fused+compile,plugin]
                              [--batch 64] [--steps 10] [--rounds 5] [--parallel N] [--deadline S]
-                             [--out FILE.md] [--json FILE.json]
+                             [--out FILE.md] [--json FILE.json] [--profile N]
     python benchmarks/zoo.py --merge a.json,b.json [--out FILE.md] [--json FILE.json]
     python benchmarks/zoo.py --cpu --tiny [--models tiny]     # a CPU smoke run: NOT a benchmark
 
@@ -91,7 +91,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import emit
+from common import emit, profile_steps
 from torch import nn
 
 VARIANTS = ("compile", "fused+compile", "plugin")
@@ -470,6 +470,11 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
         cell["best_img_s"] = args.batch * args.steps / ts[0]
     gc.unfreeze()
     row["plugin_vs_best"] = ratio(row)
+    for variant, (step, _kept) in steps.items() if args.profile and args.device == "cuda" else ():
+        with _variant_context(variant):
+            row["variants"][variant]["profile"] = profile_steps(
+                step, args.profile, f"{model_name} {task} {mode} {variant}")
+        log(row["variants"][variant]["profile"])
     log(f"  {model_name} {task} {mode}: " + "  ".join(f"{v} {fmt_cell(row, v)}" for v in row["variants"])
         + f"  plugin/best {row['plugin_vs_best'] or '-'}  (build {row['build_s']:.0f} s, total "
         f"{time.perf_counter() - t0:.0f} s)")
@@ -555,7 +560,7 @@ def worker_argv(args, row, prefix) -> list[str]:
     model, task, mode = row
     argv = [sys.executable, os.path.abspath(__file__), "--models", model, "--tasks", task, "--modes", mode,
             "--variants", ",".join(args.variants), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--rounds", str(args.rounds), "--worker", prefix]
+            "--rounds", str(args.rounds), "--profile", str(args.profile), "--worker", prefix]
     return argv + (["--cpu"] if args.device == "cpu" else [])
 
 
@@ -675,6 +680,9 @@ def parse(argv=None):
     parser.add_argument("--cpu", action="store_true", help="run on the CPU in fp32 (a smoke run)")
     parser.add_argument("--tiny", action="store_true",
                         help="batch 2, 1 round of 1 step, default mode (a smoke run, not a benchmark)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after a row's timed rounds, profile N steps of each variant (shapes.py's "
+                        "--profile: host issue time, GPU time, top kernels; printed and in the JSON)")
     parser.add_argument("--out", default=None, help="the markdown table")
     parser.add_argument("--json", default=None, help="every number, machine-readable")
     parser.add_argument("--merge", default=None, help="comma-separated --json files: print their rows' table")

@@ -1,8 +1,19 @@
 """Small helpers shared by the tests (imported as `helpers`; pytest puts tests/ on sys.path)."""
+import os
+
+import pytest
 import torch
 
 # Kernel tests run on the GPU when there is one, else on the CPU in Triton's interpreter.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Triton's interpreter runs our kernels on CPU tensors only where TRITON_INTERPRET=1 was set before
+# triton was imported: conftest.py sets it on machines without a GPU (CI). On a GPU machine the
+# kernels run compiled, on CUDA tensors, in the GPU tests instead.
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETER, reason="runs the Triton kernels on CPU tensors in Triton's interpreter, which is "
+    "on only without a GPU (conftest.py); the GPU tests run the kernels on CUDA here")
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -3,7 +3,7 @@ too) against float64 eager math, on the CPU reference and the kernels in Triton'
 rows masked everywhere; bad sinks rejected; torch.compile (aot_eager and Inductor)."""
 import pytest
 import torch
-from helpers import check_close
+from helpers import check_close, needs_interpreter
 from torch._dynamo.utils import counters
 
 import fuse_plugin  # noqa: F401  (registers the ops)
@@ -43,7 +43,7 @@ def grads(out, dout, tensors):
     return torch.autograd.grad(out, [t for t in tensors if t is not None], dout)
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=needs_interpreter)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_float64_eager(kernels, causal):
     q, k, v, b, sinks = inputs()
@@ -224,7 +224,7 @@ def test_hf_gpt_oss_eager(monkeypatch):
     assert any("sinks" in n for n in got_g)
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=needs_interpreter)])
 def test_finite_fill_next_to_a_bias_through_the_replace_mask(monkeypatch, kernels):
     """masked_fill with a finite value, then an additive bias, then the sink column: the op's
     replace mask (the filled scores are the fill value, no gradient into q·kᵀ there)."""

@@ -117,11 +117,14 @@ def cudnn_family_off():
 def test_gluon_kernels_under_compile():
     """Where the table picks the Gluon kernels (D 128 no mask, sm_90 + Triton 3.6), the compiled
     graph calls them through their internal ops and matches the eager op."""
-    from fuse_plugin.kernels import attention as attn
+    from fuse_plugin.kernels.attention_hopper import why_not_gluon_platform
+    from fuse_plugin.kernels.call import AttentionCall
 
     probe = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)
-    if attn._gluon_platform_ineligible(probe, probe):
-        pytest.skip("the Gluon kernels run on sm_90 with Triton 3.6 only")
+    why = why_not_gluon_platform(AttentionCall.forward(probe, probe, probe, None, is_causal=True,
+                                                       scale=1.0))
+    if why:
+        pytest.skip(f"no Gluon kernels here: {why}")
     # large enough that a compiled graph takes the Gluon kernels (_HOST_HEAVY_TRACED_MIN_FLOPS)
     q = torch.randn(1, 16, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 4, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)

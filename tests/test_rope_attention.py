@@ -15,7 +15,8 @@
 """
 import contextlib
 
-import expecttest
+import unittest
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,11 @@ from fuse_plugin.kernels import attention as attn
 from fuse_plugin.ops import cpu_kernels
 from fuse_plugin.ops import rope_attention as rope_op
 from models_plain import Block, repeat_kv, rotate_half
+
+try:
+    import expecttest
+except ImportError:  # the GPU machine has no expecttest: the expect tests skip there, CI runs them
+    expecttest = None
 
 OPS = torch.ops.fuse_plugin
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
@@ -386,7 +392,8 @@ def check_parity(fn, *args, tol=1e-5):
     return fused
 
 
-class RewriteTests(expecttest.TestCase):
+@unittest.skipIf(expecttest is None, "needs expecttest (CI installs it; the GPU tests run the kernels)")
+class RewriteTests(expecttest.TestCase if expecttest else unittest.TestCase):
     maxDiff = None
 
     def test_hf_attention(self):

@@ -11,10 +11,14 @@ import torch
 from fuse_plugin import tune_choices
 from fuse_plugin.kernels import choice_table
 from fuse_plugin.ops import cpu_kernels
+from helpers import INTERPRETER
 
 
 @pytest.fixture
 def tiny(monkeypatch):
+    if not INTERPRETER:
+        pytest.skip("the tiny class runs in Triton's interpreter, on only without a GPU; on a GPU "
+                    "`python -m fuse_plugin.tune --choices` is this run at full size")
     monkeypatch.setattr(tune_choices, "SMALL_PER_PROGRAM", (1, 4))
     monkeypatch.setattr(tune_choices, "SMALL_WARPS", (4,))
     with cpu_kernels("triton"):

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Every test file with a GPU part, then the GPU check scripts: two device calls (< 10 min each):
+#   CHECKS=0 bash benchmarks/device_tests.sh   then   TESTS=0 bash benchmarks/device_tests.sh
+# (from the repo root; $OUT: where logs go).
+# pytest runs with xdist (-n 12) and a per-test timeout: in series the Triton/Gluon compiles of a
+# fresh machine take > 7 min. The check scripts (float64 references, PASS/FAIL rows) run at once, gpu_check a process
+# per section. The last lines printed are the summary table.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+python3 - <<'PY' | tee "$OUT/versions.txt"
+import torch, triton, transformers
+print(torch.cuda.get_device_name(), torch.__version__, "triton", triton.__version__,
+      "cudnn", torch.backends.cudnn.version(), "transformers", transformers.__version__)
+PY
+FILES="tests/test_attention_cudnn.py tests/test_attention_decode.py tests/test_attention_kernel.py
+ tests/test_attention_sinks.py tests/test_attention_small.py tests/test_compiled_gpu.py tests/test_dropout.py
+ tests/test_inductor_launch.py tests/test_ops.py tests/test_registry.py tests/test_replace_mask.py
+ tests/test_rope_attention.py tests/test_rotary_kernel.py tests/test_sdpa_candidate.py tests/test_softcap.py
+ tests/test_tune_choices.py tests/test_tuning_table.py tests/test_results_current.py"
+if [ "${TESTS:-1}" != 0 ]; then
+  start=$(date +%s)
+  timeout ${TEST_LIMIT:-540} python3 -m pytest -q -n ${WORKERS:-12} --timeout 300 -p no:cacheprovider \
+    --durations 15 $FILES -rfE > "$OUT/pytest.log" 2>&1
+  echo "pytest rc=$? in $(( $(date +%s) - start )) s"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+  tail -2 "$OUT/pytest.log"
+fi
+[ "${CHECKS:-1}" = 0 ] && exit 0
+run_check() {  # name, command...
+  local name=$1; shift
+  local t0=$(date +%s)
+  timeout ${CHECK_LIMIT:-400} "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 )) s: $(tail -1 "$OUT/$name.log" | cut -c1-100)"
+}
+# gpu_check one section per process (its compiles in parallel), the check scripts beside them
+i=0
+for s in opcheck attention rotary rope dropout dropout_stats; do
+  ( run_check gpu_check_$s python3 benchmarks/gpu_check.py --section $s > "$OUT/c$i.txt" ) &
+  i=$((i + 1))
+done
+for c in replace softcap checkpoint generate; do
+  ( run_check gpu_${c}_check python3 tests/gpu_${c}_check.py > "$OUT/c$i.txt" ) &
+  i=$((i + 1))
+done
+wait
+cat "$OUT"/c*.txt
