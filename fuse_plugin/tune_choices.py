@@ -67,6 +67,8 @@ CLASSES = {
     "llama-8k": Case((1, 16, 4, 8192, 8192, 64, 64), "none", causal=True, seen="e2e Llama 1x8192"),
     "bert": Case((32, 12, 12, 128, 128, 64, 64), "keys", dropout=0.1, seen="BERT-base training"),
     "bert-nodrop": Case((32, 12, 12, 128, 128, 64, 64), "keys", seen="BERT-base inference"),
+    "llama-512": Case((8, 16, 4, 512, 512, 64, 64), "none", causal=True, seen="Llama 8x512 (shapes table)"),
+    "llama-128": Case((1, 16, 4, 128, 128, 64, 64), "none", causal=True, seen="Llama 1x128 (shapes table)"),
     "llama-512-fp32": Case((8, 16, 4, 512, 512, 64, 64), "none", causal=True, dtype="float32",
                            seen="Llama 8x512 in float32 (shapes table, HF's default load dtype)"),
 }
