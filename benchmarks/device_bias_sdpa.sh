@@ -2,10 +2,7 @@
 # One device call: re-measure the learned-bias classes after tune_choices' SDPA forward stopped
 # timing tensors that require grad (cuDNN's bias path), then BEiT-B / Swin-T inference rows; the
 # test files the GPU run of stop 24 fixed run beside the untimed warm-up.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1
+source "$(dirname "$0")/device_setup.sh"
 C=levit-s3,levit-s1,levit-sub,levit-s2,swin-s1,swin-s1-shifted,beit-b
 ( timeout 150 python3 -m pytest -q -n 8 --timeout 140 -p no:cacheprovider tests/test_inductor_launch.py \
     tests/test_compiled_gpu.py::test_gluon_kernels_under_compile tests/test_attention_sinks.py \

@@ -5,15 +5,7 @@
 #    (D 256 new) and the kernel families the refactor moved (TMA, Gluon, general);
 # 3. four --warm processes over disjoint classes fill Triton's and Inductor's caches in parallel;
 # 4. the timed pass writes $OUT/attention_choices_sm90.json (copy it to fuse_plugin/kernels/).
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
-python3 - <<'EOF' | tee "$OUT/versions.txt"
-import torch, triton
-print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, "cudnn", torch.backends.cudnn.version())
-EOF
+source "$(dirname "$0")/device_setup.sh"
 CLASSES=$(python3 -c "from fuse_plugin.tune_choices import CLASSES; print(' '.join(CLASSES))")
 i=0; declare -a part=("" "" "" "")
 for c in $CLASSES; do part[$((i % 4))]+="${part[$((i % 4))]:+,}$c"; i=$((i + 1)); done

@@ -5,16 +5,7 @@
 # pytest runs with xdist (-n 12) and a per-test timeout: in series the Triton/Gluon compiles of a
 # fresh machine take > 7 min. The check scripts (float64 references, PASS/FAIL rows) run at once, gpu_check a process
 # per section. The last lines printed are the summary table.
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
-python3 - <<'PY' | tee "$OUT/versions.txt"
-import torch, triton, transformers
-print(torch.cuda.get_device_name(), torch.__version__, "triton", triton.__version__,
-      "cudnn", torch.backends.cudnn.version(), "transformers", transformers.__version__)
-PY
+source "$(dirname "$0")/device_setup.sh"
 FILES="tests/test_attention_cudnn.py tests/test_attention_decode.py tests/test_attention_kernel.py
  tests/test_attention_sinks.py tests/test_attention_small.py tests/test_compiled_gpu.py tests/test_dropout.py
  tests/test_inductor_launch.py tests/test_ops.py tests/test_registry.py tests/test_replace_mask.py
