@@ -1,0 +1,74 @@
+"""Mask structure read from the graph (issue 31, first part): a sliding window's lower bound,
+proven from its index comparisons for every size, is named by `explain` (the kernels take no
+window yet: the mask stays in the bias, the rewrite and its numbers are unchanged)."""
+import pytest
+import torch
+from torch import nn
+
+import fuse_plugin
+
+
+class Windowed(nn.Module):
+    """Hand-written attention with a mask built from aranges: `keep(i, j)` over query i, key j."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep = keep
+
+    def forward(self, q, k, v):
+        L = q.shape[-2]
+        i = torch.arange(L, device=q.device)[:, None]
+        j = torch.arange(L, device=q.device)[None, :]
+        s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        s = s.masked_fill(~self.keep(i, j), float("-inf"))
+        return s.softmax(-1) @ v
+
+
+def explained(keep, L=12):
+    q, k, v = (torch.randn(2, 3, L, 16) for _ in range(3))
+    return str(fuse_plugin.explain(Windowed(keep), q, k, v))
+
+
+def test_causal_window_is_named():
+    text = explained(lambda i, j: (j <= i) & (j > i - 4))
+    assert "fused   attention" in text
+    assert "sliding window 4 (proved: query i sees keys from i-3; arange comparison)" in text
+
+
+@pytest.mark.parametrize("keep, w", [
+    (lambda i, j: (j <= i) & (j >= i - 4), 5),  # >= instead of >: one key more
+    (lambda i, j: (i - j < 3) & (j <= i), 3),  # the difference spelled the other way round
+    (lambda i, j: ~(j <= i - 6) & (j <= i), 6),  # the hidden side negated
+])
+def test_window_size_follows_the_comparison(keep, w):
+    assert f"sliding window {w} (proved" in explained(keep)
+
+
+@pytest.mark.parametrize("keep", [
+    lambda i, j: (j <= i) & (j > 2 * i - 4),  # not a band: the bound moves two keys a query
+    lambda i, j: (j <= i) & (i > j - 4),  # hides keys after i + 3 (a look-ahead bound), not a window
+    lambda i, j: (j <= i) & (j > 3),  # a fixed key range, not relative to the query
+])
+def test_near_misses_name_no_window(keep):
+    text = explained(keep)
+    assert "fused   attention" in text  # still fused, with the mask in the bias
+    assert "sliding window" not in text
+
+
+def test_window_kept_in_the_bias_gives_eager_numbers():
+    model = Windowed(lambda i, j: (j <= i) & (j > i - 4))
+    q, k, v = (torch.randn(2, 3, 12, 16, dtype=torch.float64) for _ in range(3))
+    torch._dynamo.reset()
+    got = torch.compile(model, backend="fuse_plugin")(q, k, v)
+    torch.testing.assert_close(got, model(q, k, v))
+
+
+def test_hf_mistral_sliding_window_is_named():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MistralConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     sliding_window=4, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(cfg).eval()
+    text = str(fuse_plugin.explain(model, torch.randint(0, 100, (2, 16))))
+    assert "fused (1 attention" in text and "sliding window 4 (proved" in text
