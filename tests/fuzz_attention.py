@@ -24,6 +24,8 @@
 * sinks: one case in eleven of the other 4-D hand-written ones joins gpt-oss's sink column (a
   learned logit per head) to the scores before the softmax, with or without the max subtraction,
   and drops it after (patterns/sinks.py; the sinks' gradient is compared too);
+* sliding windows: one case in thirteen of the non-mutants turns its first causal mask into a
+  causal window of 1 to 3 keys (`where(j <= i and j > i - W, x, v)`), or gains one with -inf;
 * the route: one case in seven of the others (seed % 7 == 2) is rewritten with
   FUSE_PLUGIN_SITE_CHOICE=sdpa, a hand-written site becoming an SDPA call where it can be one
   (patterns/attention._sdpa_call: masks folded into one attn_mask, eager's NaN rows restored);
@@ -151,6 +153,14 @@ def make_case(seed: int) -> Case:
             case.gqa = "enable_gqa"
     elif seed % 7 == 2:  # (no draw either)
         case.route = "sdpa"
+    # one case in thirteen: its causal `where` mask is a sliding window, keys i-W+1 .. i with W
+    # 1 to 3 (HF Mistral's `kv > q - W` beside `kv <= q`; patterns/attention_bias.window_of) (no draw)
+    if seed % 13 == 6 and not case.mutant:
+        causal = [m for m in case.masks if m.kind == "causal"]
+        if causal:
+            causal[0].spelling = f"window{1 + seed % 3}"
+        else:
+            case.masks.append(MaskStep("causal", f"window{1 + seed % 3}", -math.inf))
     # one case in eleven of the other 4-D ones has gpt-oss's sink column (no draw either)
     if not merged and not case.mutant and case.product != "sdpa" and case.route == "ours" and seed % 11 == 5:
         case.sinks = "cat_max" if seed % 2 else "cat"
@@ -200,8 +210,11 @@ class FuzzModule(nn.Module):
                 return x.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=x.device).tril(), value)
             if m.spelling == "fill_triu":
                 return x.masked_fill(torch.ones(lq, lk, device=x.device).triu(1).bool(), value)
-            if m.spelling == "where":
+            if m.spelling == "where" or m.spelling.startswith("window"):
                 keep = torch.arange(lk, device=x.device)[None, :] <= torch.arange(lq, device=x.device)[:, None]
+                if m.spelling.startswith("window"):
+                    w = int(m.spelling[len("window"):])
+                    keep = keep & (torch.arange(lk, device=x.device)[None, :] > torch.arange(lq, device=x.device)[:, None] - w)
                 return torch.where(keep, x, value)
             return x + torch.full((lq, lk), value, dtype=x.dtype, device=x.device).triu(1)
         keep = pad_keep if m.kind == "pad" else rand_keep
@@ -239,6 +252,8 @@ class FuzzModule(nn.Module):
             for m in c.masks:
                 if m.kind == "causal":
                     keep = keep & torch.ones(lq, lk, dtype=torch.bool).tril()
+                    if m.spelling.startswith("window"):
+                        keep = keep & ~torch.ones(lq, lk, dtype=torch.bool).tril(-int(m.spelling[len("window"):]))
                 else:
                     keep = keep & (pad_keep if m.kind == "pad" else rand_keep)
             return keep, False
