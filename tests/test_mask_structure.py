@@ -72,3 +72,5 @@ def test_hf_mistral_sliding_window_is_named():
     model = transformers.MistralForCausalLM(cfg).eval()
     text = str(fuse_plugin.explain(model, torch.randint(0, 100, (2, 16))))
     assert "fused (1 attention" in text and "sliding window 4 (proved" in text
+    # the (B, 1, L, L) mask the op is given without its batch broadcast, not a per-key vector
+    assert "additive mask, narrowed to (1, 1, 16, 16)" in text and "per key" not in text

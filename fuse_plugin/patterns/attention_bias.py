@@ -301,7 +301,7 @@ def build_bias(b: NodeBuilder, parts: list, memo: dict, dtype: torch.dtype = tor
     elif len(parts) == 1 and isinstance(parts[0], BiasTerm) and not parts[0].negate and parts[0].scale == 1.0 and dtype_of(parts[0].node).is_floating_point:
         term = parts[0].node
         narrow = unbroadcast(b, term, memo)
-        result = (term, "additive mask") if narrow is None else (narrow, "additive mask, per key")
+        result = (term, "additive mask") if narrow is None else (narrow, _narrowed(shape(narrow)))
     else:
         bias = None
         for p in parts:
@@ -327,6 +327,14 @@ def build_bias(b: NodeBuilder, parts: list, memo: dict, dtype: torch.dtype = tor
         result = (bias, "float mask")
     memo[key] = result
     return result
+
+
+def _narrowed(s: tuple) -> str:
+    """How a narrowed additive mask reads: one value per key (constant over the queries), or its
+    narrower shape (HF's causal + window mask loses only its batch broadcast)."""
+    if len(s) < 2 or known_equal(s[-2], 1):
+        return "additive mask, per key"
+    return f"additive mask, narrowed to {fmt_shape(s)}"
 
 
 def unbroadcast(b: NodeBuilder, node: fx.Node, memo: dict) -> Optional[fx.Node]:
