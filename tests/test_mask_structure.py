@@ -74,3 +74,59 @@ def test_hf_mistral_sliding_window_is_named():
     assert "fused (1 attention" in text and "sliding window 4 (proved" in text
     # the (B, 1, L, L) mask the op is given without its batch broadcast, not a per-key vector
     assert "additive mask, narrowed to (1, 1, 16, 16)" in text and "per key" not in text
+
+
+@pytest.mark.parametrize("chunk", [lambda i, j: (i // 4) == (j // 4),
+                                   lambda i, j: torch.div(j, 4, rounding_mode="floor") == torch.div(i, 4, rounding_mode="floor")])
+def test_chunks_are_named(chunk):
+    """Llama 4's chunked attention: keys of the query's own chunk (with causal beside it)."""
+    text = explained(lambda i, j: (j <= i) & chunk(i, j))
+    assert "chunks of 4 (proved: query i sees keys j with j // 4 == i // 4)" in text
+
+
+@pytest.mark.parametrize("keep", [
+    lambda i, j: (i // 4) == (j // 3),  # two chunk sizes
+    lambda i, j: (i // 4) == ((j + 1) // 4),  # shifted chunks: not proven (offsets are not read)
+])
+def test_chunk_near_misses(keep):
+    assert "chunks of" not in explained(lambda i, j: (j <= i) & keep(i, j))
+
+
+class Packed(nn.Module):
+    """Sequences packed in one row: a query sees the keys of its own document (doc ids (B, L))."""
+
+    def __init__(self, lift):
+        super().__init__()
+        self.lift = lift
+
+    def forward(self, q, k, v, doc):
+        s = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        keep = self.lift(doc)[:, None]  # (B, 1, L, L)
+        return s.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+
+def _docs(B=2, L=12):
+    return torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 12])[:B]
+
+
+@pytest.mark.parametrize("lift", [lambda d: d[:, :, None] == d[:, None, :],
+                                  lambda d: d.unsqueeze(-1) == d.unsqueeze(-2),
+                                  lambda d: d[:, None, :] == d[:, :, None]])
+def test_documents_are_named_and_give_eager_numbers(lift):
+    model = Packed(lift)
+    q, k, v = (torch.randn(2, 3, 12, 16, dtype=torch.float64) for _ in range(3))
+    text = str(fuse_plugin.explain(model, q, k, v, _docs()))
+    assert "fused   attention" in text and "documents (ids from" in text
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(model, backend="fuse_plugin")(q, k, v, _docs()), model(q, k, v, _docs()))
+
+
+@pytest.mark.parametrize("lift", [
+    lambda d: d[:, :, None] == d[:, :, None].transpose(1, 2).transpose(1, 2),  # the same axis twice
+    lambda d: d[:, :, None] == (d + 1)[:, None, :],  # two different tensors
+    lambda d: d[:, :, None] <= d[:, None, :],  # not an equality
+])
+def test_document_near_misses(lift):
+    q, k, v = (torch.randn(2, 3, 12, 16) for _ in range(3))
+    text = str(fuse_plugin.explain(Packed(lift), q, k, v, _docs()))
+    assert "documents (ids" not in text

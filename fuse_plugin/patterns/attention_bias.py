@@ -9,7 +9,8 @@ factor, divide), ("add", bias, subtract), ("fill", mask, masked_when, value), an
     MaskFill     masked_fill / where with a mask value (<= MASK_VALUE_MAX or -inf)
     CausalPart   a part proven to be the top-left causal mask (`causal_mask.is_causal_mask`)
 
-`causal_or_bias` decides whether the causal part can become `is_causal` (or refuses the chain);
+`causal_or_bias` decides whether the causal part can become `is_causal` (or refuses the chain),
+and notes the structure of the other parts (mask_structure.py: windows, chunks, documents);
 `build_bias` emits one bias for the rest: -inf fills as a bool mask, anything else as an additive
 bias that replays the chain's masks, in eager's order, on zero scores, so that every score a fill
 replaces gets exactly eager's value there (the fill value, plus the terms added after it), and the
@@ -54,6 +55,7 @@ from .canon import (broadcasts_to, call_of, device_of, dtype, example_value, fmt
 from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, causal_source, constant_number,
                           is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
+from .mask_structure import notes as structure_notes
 from .writes import written_since
 
 dtype_of = dtype  # (build_bias has a `dtype` argument)
@@ -232,43 +234,8 @@ def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list], str]:
     elif causal:
         notes.append(f"causal mask ({causal[0].source}) kept in the bias with its own values: "
                      "is_causal's -inf masking would change rows masked everywhere")
-    notes += [f"sliding window {w} (proved: query i sees keys from i-{w - 1}; {how}), kept in the bias: "
-              "the kernels take no window yet" for w, how in windows(rest)]
+    notes += structure_notes(rest)
     return parts, is_causal, source, notes
-
-
-def window_of(p: MaskPart, memo: dict) -> Optional[int]:
-    """W when the part is a sliding window's lower bound, proven for every size: a bool mask
-    that hides exactly the keys j <= i - W of query i (it keeps i - W < j); else None. With the
-    causal mask beside it, query i sees the W keys i-W+1 .. i (HF's `kv_idx > q_idx - W`)."""
-    if not isinstance(p, MaskFill) or not isinstance(p.mask, fx.Node) or dtype(p.mask) != torch.bool:
-        return None
-    v = abstract_value(p.mask, memo)
-    if not isinstance(v, Select) or v.aff is None or not isinstance(v.a, bool) or v.a == v.b:
-        return None
-    s = v.aff.get(-1)  # aff = s·(j - i) + const
-    if s not in (1, -1) or v.aff.get(-2) != -s or len(v.aff.coef) != 2:
-        return None
-    hidden_where_le = v.a == p.masked_when  # the part hides where aff <= 0 (else where aff > 0)
-    # hidden: j - i <= t, the keys up to t before the diagonal
-    if s == 1 and hidden_where_le:  # j - i + c <= 0
-        t = -v.aff.const
-    elif s == -1 and not hidden_where_le:  # -(j - i) + c > 0  <=>  j - i <= c - 1
-        t = v.aff.const - 1
-    else:
-        return None  # hides keys from some diagonal on (causal-like), not a window
-    return -t if t < 0 else None
-
-
-def windows(parts: list) -> list[tuple[int, str]]:
-    """(W, how it was proven) of every sliding-window part among the mask parts."""
-    memo: dict = {}
-    found = []
-    for p in parts:
-        w = window_of(p, memo)
-        if w is not None:
-            found.append((w, causal_source(p.mask)))
-    return found
 
 
 # --------------------------------------------------------------------------- building the bias

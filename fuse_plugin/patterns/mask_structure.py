@@ -1,0 +1,181 @@
+"""Structure in a mask, read from how the graph builds it (issue 31): windows, chunks, documents.
+
+Each reader takes one bool mask part of a score chain (attention_bias.MaskFill) and says what it
+is, for every size, or None:
+
+    window_of     hides exactly the keys j <= i - W of query i   (HF Mistral: kv > q - W)
+    chunk_of      keeps exactly i // C == j // C                (Llama 4's chunked attention)
+    documents_of  keeps exactly doc[..., i] == doc[..., j] for an integer tensor doc (sequences
+                  packed in one row, each attending to itself: torchtitan, TRL packing)
+
+`notes(parts)` names every one found, for explain. No kernel takes a structure yet: the parts
+still reach the op as its bias, so naming changes nothing the op computes.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from .canon import call_of, dtype, is_identity, shape, written
+from .causal_mask import Affine, Select, abstract_value, causal_source, constant_number
+
+
+def _is_keep_mask(p) -> bool:
+    mask = getattr(p, "mask", None)
+    return isinstance(mask, fx.Node) and dtype(mask) == torch.bool and hasattr(p, "masked_when")
+
+
+def window_of(p, memo: dict) -> Optional[int]:
+    """W when the part is a sliding window's lower bound: a bool mask that hides exactly the keys
+    j <= i - W of query i (it keeps i - W < j); else None. With the causal mask beside it, query i
+    sees the W keys i-W+1 .. i."""
+    if not _is_keep_mask(p):
+        return None
+    v = abstract_value(p.mask, memo)
+    if not isinstance(v, Select) or v.aff is None or not isinstance(v.a, bool) or v.a == v.b:
+        return None
+    s = v.aff.get(-1)  # aff = s·(j - i) + const
+    if s not in (1, -1) or v.aff.get(-2) != -s or len(v.aff.coef) != 2:
+        return None
+    hidden_where_le = v.a == p.masked_when  # the part hides where aff <= 0 (else where aff > 0)
+    # hidden: j - i <= t, the keys up to t before the diagonal
+    if s == 1 and hidden_where_le:  # j - i + c <= 0
+        t = -v.aff.const
+    elif s == -1 and not hidden_where_le:  # -(j - i) + c > 0  <=>  j - i <= c - 1
+        t = v.aff.const - 1
+    else:
+        return None  # hides keys from some diagonal on (causal-like), not a window
+    return -t if t < 0 else None
+
+
+def _keep_node(p) -> tuple:
+    """(node, keep): the part's mask followed down through what does not change its values along
+    the last two dims (expand, contiguous / clone / identity casts, size-1 dims added in front of
+    them) and through negations; keep: True where node's True values are the kept scores."""
+    node, keep = p.mask, not p.masked_when
+    while isinstance(node, fx.Node) and not written(node):
+        c = call_of(node)
+        if c is None:
+            break
+        if c.name in ("expand", "contiguous", "clone") or (c.name == "to" and is_identity(c)):
+            node = c["input"]
+        elif c.name in ("logical_not", "invert"):
+            node, keep = c["input"], not keep
+        elif _unit_inserted(node, leading=True) is not None:
+            node = _unit_inserted(node, leading=True)[0]
+        else:
+            break
+    return node, keep
+
+
+def _eq_operands(p) -> Optional[tuple]:
+    """(a, b) when the part keeps exactly where a == b."""
+    if not _is_keep_mask(p):
+        return None
+    node, keep = _keep_node(p)
+    c = call_of(node) if isinstance(node, fx.Node) else None
+    if not keep or c is None or c.name != "eq" or not isinstance(c["other"], fx.Node):
+        return None
+    return c["input"], c["other"]
+
+
+def _index_of(node: Any, memo: dict) -> Optional[int]:
+    """-2 or -1 when node's value is the query or key index itself (dims from the right)."""
+    a = abstract_value(node, memo) if isinstance(node, fx.Node) else None
+    if isinstance(a, Affine) and a.const == 0 and len(a.coef) == 1 and a.coef[0][1] == 1:
+        return a.coef[0][0]
+    return None
+
+
+def _floordiv(node: Any) -> Optional[tuple]:
+    """(x, C) for x // C (operator / torch.floor_divide / div(rounding_mode="floor")), C an int."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+        return None
+    t, args, kwargs = node.target, node.args, node.kwargs
+    if t in (operator.floordiv, torch.floor_divide, "floor_divide", "__floordiv__") and len(args) == 2:
+        x, c = args
+    elif t in (torch.div, "div") and len(args) == 2 and kwargs.get("rounding_mode") == "floor":
+        x, c = args
+    else:
+        return None
+    c = constant_number(c)
+    return (x, c) if isinstance(c, int) and c > 0 else None
+
+
+def chunk_of(p, memo: dict) -> Optional[int]:
+    """C when the part keeps exactly the keys of the query's chunk, i // C == j // C; else None."""
+    ops = _eq_operands(p)
+    if ops is None:
+        return None
+    a, b = (_floordiv(x) for x in ops)
+    if a is None or b is None or a[1] != b[1]:
+        return None
+    dims = {_index_of(a[0], memo), _index_of(b[0], memo)}
+    return a[1] if dims == {-1, -2} else None
+
+
+def _unit_inserted(node: Any, leading: bool = False) -> Optional[tuple]:
+    """(base, pos) when node is base with one size-1 dim inserted at pos (-1 or -2, from the
+    right of the result; ``leading``: at any pos before those two): unsqueeze, or basic indexing
+    with one None and full slices."""
+    if not isinstance(node, fx.Node):
+        return None
+    s, c = shape(node), call_of(node)
+    if s is None or c is None or len(s) < 2:
+        return None
+    if c.name == "unsqueeze" and isinstance(c["dim"], int):
+        pos = c["dim"] % len(s) - len(s)
+        return (c["input"], pos) if _wanted(pos, leading) else None
+    if c.name == "getitem" and isinstance(c["index"], tuple):
+        idx = list(c["index"])
+        if idx.count(None) != 1 or not all(i is None or i is Ellipsis or i == slice(None) for i in idx):
+            return None
+        if Ellipsis in idx:  # (..., None) or (..., None, :)
+            after = idx[idx.index(Ellipsis) + 1:]
+            pos = after.index(None) - len(after) if None in after else None
+        else:
+            pos = idx.index(None) - len(s)
+        return (c["input"], pos) if pos is not None and _wanted(pos, leading) else None
+    return None
+
+
+def _wanted(pos: int, leading: bool) -> bool:
+    return pos < -2 if leading else pos in (-1, -2)
+
+
+def documents_of(p, memo: dict) -> Optional[fx.Node]:
+    """The document-id tensor when the part keeps exactly doc[..., i] == doc[..., j]: an eq of one
+    integer tensor lifted along the keys and along the queries; else None."""
+    ops = _eq_operands(p)
+    if ops is None:
+        return None
+    lifted = [_unit_inserted(x) for x in ops]
+    if None in lifted or lifted[0][0] is not lifted[1][0] or {lifted[0][1], lifted[1][1]} != {-1, -2}:
+        return None
+    doc = lifted[0][0]
+    dt = dtype(doc)
+    if dt is None or dt.is_floating_point or dt.is_complex or dt == torch.bool or not shape(doc):
+        return None
+    return doc
+
+
+def notes(parts: list) -> list[str]:
+    """explain's words for every structure among the mask parts (kept in the bias today)."""
+    memo: dict = {}
+    found = []
+    for p in parts:
+        w = window_of(p, memo)
+        if w is not None:
+            found.append(f"sliding window {w} (proved: query i sees keys from i-{w - 1}; {causal_source(p.mask)})")
+            continue
+        c = chunk_of(p, memo)
+        if c is not None:
+            found.append(f"chunks of {c} (proved: query i sees keys j with j // {c} == i // {c})")
+            continue
+        doc = documents_of(p, memo)
+        if doc is not None:
+            found.append(f"documents (ids from {doc.name}: query i sees keys j with doc[j] == doc[i])")
+    return [f"{what}, kept in the bias: the kernels take no structure yet" for what in found]
