@@ -313,3 +313,13 @@ def test_rotary_output_layout(layout, kernels):
         fake = OPS.rotary(mode.from_tensor(x), mode.from_tensor(cos), mode.from_tensor(sin), False, x.shape[-1])
     assert fake.stride() == out.stride() and fake.shape == out.shape
     assert output_like(x, torch.float32).stride() == out.stride()
+
+
+@pytest.mark.parametrize("op", ["attention", "attention_sinks"])
+def test_double_backward_is_refused_by_name(op):
+    """The backward ops are not differentiable: a create_graph backward says which op refused."""
+    q, k, v = (torch.randn(1, 2, 4, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    extra = (torch.zeros(2, dtype=torch.float64, requires_grad=True),) if op == "attention_sinks" else ()
+    out, _ = getattr(torch.ops.fuse_plugin, op)(q, k, v, None, 0.0, False, 0.25, *extra)
+    with pytest.raises(RuntimeError, match=f"fuse_plugin::{op}_backward is not differentiable"):
+        torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)

@@ -51,3 +51,23 @@ def cpu_kernels(choice: str):
             os.environ.pop(_ENV, None)
         else:
             os.environ[_ENV] = old
+
+
+def register_with_backward(lib, name: str, forward, forward_autograd, backward) -> None:
+    """Register op ``name`` and its ``name_backward`` on ``lib``: each one's implementation for
+    every backend (CompositeExplicitAutograd), the forward's autograd (``forward_autograd``), and
+    for the backward op an autograd kernel that refuses to be differentiated (no double backward
+    through attention) and otherwise dispatches below autograd."""
+    backward_name = f"{name}_backward"
+
+    def backward_autograd(*args):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            raise RuntimeError(f"fuse_plugin::{backward_name} is not differentiable (no double "
+                               "backward through attention)")
+        with torch._C._AutoDispatchBelowAutograd():
+            return getattr(torch.ops.fuse_plugin, backward_name).default(*args)
+
+    lib.impl(name, forward, "CompositeExplicitAutograd")
+    lib.impl(name, forward_autograd, "Autograd")
+    lib.impl(backward_name, backward, "CompositeExplicitAutograd")
+    lib.impl(backward_name, backward_autograd, "Autograd")

@@ -322,18 +322,7 @@ def _attention_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout
                                                        scale, dropout_seed, *_trailing(softcap, replace))
 
 
-def _attention_backward_autograd(*args):
-    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-        raise RuntimeError("fuse_plugin::attention_backward is not differentiable (no double "
-                           "backward through attention)")
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.fuse_plugin.attention_backward.default(*args)
-
-
-_LIB.impl("attention", attention, "CompositeExplicitAutograd")
-_LIB.impl("attention", _attention_autograd, "Autograd")
-_LIB.impl("attention_backward", attention_backward, "CompositeExplicitAutograd")
-_LIB.impl("attention_backward", _attention_backward_autograd, "Autograd")
+_dispatch.register_with_backward(_LIB, "attention", attention, _attention_autograd, attention_backward)
 
 # Compiled, the ops decompose into their kernel launches (ops/inductor.py).
 inductor.register("fuse_plugin::attention", attention)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.call import check_dropout
-from . import inductor, reference
+from . import _dispatch, inductor, reference
 from .attention import (_LIB, _extra, _kernels, _runs_kernel, bias_4d, check_bias, check_replace, empty_out,
                         forward_impl, period_of, reduce_dbias, whole_bias)
 from ..kernels.host import in_layout_of, layout_like
@@ -175,18 +175,8 @@ def _attention_sinks_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, s
                                                              sinks, dropout_seed, *_opt(replace))
 
 
-def _attention_sinks_backward_autograd(*args):
-    if torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args):
-        raise RuntimeError("fuse_plugin::attention_sinks_backward is not differentiable (no double "
-                           "backward through attention)")
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.fuse_plugin.attention_sinks_backward.default(*args)
-
-
-_LIB.impl("attention_sinks", attention_sinks, "CompositeExplicitAutograd")
-_LIB.impl("attention_sinks", _attention_sinks_autograd, "Autograd")
-_LIB.impl("attention_sinks_backward", attention_sinks_backward, "CompositeExplicitAutograd")
-_LIB.impl("attention_sinks_backward", _attention_sinks_backward_autograd, "Autograd")
+_dispatch.register_with_backward(_LIB, "attention_sinks", attention_sinks, _attention_sinks_autograd,
+                                 attention_sinks_backward)
 
 # Compiled, the ops decompose into the attention kernels' launches and the merge (ops/inductor.py).
 inductor.register("fuse_plugin::attention_sinks", attention_sinks)

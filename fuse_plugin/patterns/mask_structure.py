@@ -64,10 +64,11 @@ def _keep_node(p) -> tuple:
             node = c["input"]
         elif c.name in ("logical_not", "invert"):
             node, keep = c["input"], not keep
-        elif _unit_inserted(node, leading=True) is not None:
-            node = _unit_inserted(node, leading=True)[0]
         else:
-            break
+            lifted = _unit_inserted(node, leading=True)
+            if lifted is None:
+                break
+            node = lifted[0]
     return node, keep
 
 
