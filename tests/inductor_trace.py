@@ -131,9 +131,11 @@ def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
 
 
 def attention_pair(q, k, v, dout, bias=None, is_causal=True, need_dbias=False, p=0.0, seed=None,
-                   replace=None):
+                   replace=None, window=0):
     scale = q.shape[-1] ** -0.5
     extra = {} if replace is None else {"replace": replace}
+    if window:
+        extra["window"] = window
     out, lse = OPS.attention(q, k, v, bias, p, is_causal, scale, dropout_seed=seed, **extra)
     dq, dk, dv, db = OPS.attention_backward(dout, q, k, v, bias, out, lse, p, is_causal, scale,
                                             seed, need_dbias, **extra)
@@ -141,7 +143,7 @@ def attention_pair(q, k, v, dout, bias=None, is_causal=True, need_dbias=False, p
 
 
 def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias=False, p=0.0,
-                   is_causal=True, device="cuda", replace=False):
+                   is_causal=True, device="cuda", replace=False, window=0):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -166,7 +168,7 @@ def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias
         bias = extra[0] if mask else None
         seed = extra[1 if mask else 0] if p else None
         return attention_pair(q, k, v, dout, bias, is_causal, need_dbias, p, seed,
-                              extra[-1] if replace else None)
+                              extra[-1] if replace else None, window)
 
     return trace(fn, q, k, v, dout, *extra)
 
@@ -337,6 +339,9 @@ CASES = {
     "replace_mask": lambda: attention_case(1, 4, 4, 300, 128, mask="float", need_dbias=True,
                                            is_causal=False, replace=True),
     "dropout": lambda: attention_case(1, 4, 4, 129, 64, p=0.1),
+    # a sliding window (issue 31) where the TMA / cuDNN families would take the causal problem:
+    # the general kernels, the window an int argument of each launch
+    "window": lambda: attention_case(1, 16, 4, 4000, 128, window=512),
     # BERT's attention (128 tokens: one key block): the one-launch backward
     "one_key_block": lambda: attention_case(32, 12, 12, 128, 64, mask="bool", p=0.1,
                                             is_causal=False),

@@ -19,6 +19,12 @@ Shapes and layouts
   bias[b % P]: Swin's shifted-window mask; call.py). A bool bias keeps True and masks False; a
   float bias is added in fp32 after scaling: ``s = (q @ k^T) * scale + bias``.
 * ``is_causal``: top-left aligned (as SDPA): key j is visible to query i iff ``j <= i``.
+* ``window`` (with ``is_causal``; 0: none): a sliding window, key j visible to query i iff
+  ``i - window < j <= i`` (HF's ``sliding_window``). The general kernels (forward, both backward
+  paths) find each block's live range from the sizes alone (``_key_blocks`` / ``_query_blocks``
+  in attention_tiles.py) and skip every block the window hides; the edge blocks are masked
+  under the ``WINDOW`` constexpr (off: the same kernels as without it). Other families say
+  why not (registry.py).
 * Outputs: ``out`` (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv) in memory (a
   transposed view, see ``out_layout``), ``lse`` (B, Hq, Lq) fp32 contiguous (natural-log
   logsumexp of the scaled, biased, masked scores of each row). ``dout`` is read through its
@@ -156,7 +162,7 @@ def _user_config(config):
 def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=None,
                       rope: Optional[Rope] = None, dropout_p: float = 0.0,
                       dropout_seed: Optional[torch.Tensor] = None, softcap: float = 0.0,
-                      replace: Optional[torch.Tensor] = None):
+                      replace: Optional[torch.Tensor] = None, window: int = 0):
     """Returns ``(out, lse)``; see the module docstring for shapes and semantics.
 
     Args:
@@ -171,11 +177,14 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=No
         softcap: c > 0: the scores are c·tanh(q·kᵀ·scale / c) before the bias and the masks.
         replace: bool, (B, Hq, Lq, Lk), next to a float bias: the scores where it holds are the
             bias alone.
+        window: with is_causal, a sliding window: query i sees keys i - window + 1 .. i (0:
+            none). The kernels skip the key blocks it hides (the general family only).
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv); lse (B, Hq, Lq) fp32."""
     call = AttentionCall.forward(q, k, v, bias, is_causal=is_causal, scale=scale,
                                  config=_user_config(config), rope=rope, dropout_p=dropout_p,
-                                 dropout_seed=dropout_seed, softcap=softcap, replace=replace)
+                                 dropout_seed=dropout_seed, softcap=softcap, replace=replace,
+                                 window=window)
     if call.empty:
         B, Hq, Lq, _, _, _, Dv = call.sizes
         out = host.empty((B, Lq, Hq, Dv), q.dtype, q.device).transpose(1, 2)
@@ -191,7 +200,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                        rope: Optional[Rope] = None, dropout_p: float = 0.0,
                        dropout_seed: Optional[torch.Tensor] = None,
                        group_split: Optional[int] = None, softcap: float = 0.0,
-                       replace: Optional[torch.Tensor] = None):
+                       replace: Optional[torch.Tensor] = None, window: int = 0):
     """Returns ``(dq, dk, dv, dbias_or_None)``; see the module docstring.
 
     Args (besides ``attention_forward``'s):
@@ -209,7 +218,7 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                                   need_dbias=need_dbias, config=_user_config(config),
                                   deterministic=deterministic, rope=rope, dropout_p=dropout_p,
                                   dropout_seed=dropout_seed, group_split=group_split,
-                                  softcap=softcap, replace=replace)
+                                  softcap=softcap, replace=replace, window=window)
     if call.empty:
         q_in, k_in, v_in = call.inputs
         return (layout_like(q_in, q.dtype), layout_like(k_in, k.dtype), layout_like(v_in, v.dtype),

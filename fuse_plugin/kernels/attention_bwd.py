@@ -66,8 +66,9 @@ def attention_bwd_preprocess_kernel(
     stride_rb, stride_rh, stride_rm, stride_rn,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, cap,
-    IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, ZERO_DQ: tl.constexpr, SOFTCAP: tl.constexpr,
+    Hq, kv_group, Lq, Lk, window, D: tl.constexpr, Dv: tl.constexpr, score_scale, cap,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, ZERO_DQ: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -135,7 +136,8 @@ def attention_bwd_preprocess_kernel(
                 s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :],
                                          Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
                                          stride_rm, stride_rn, score_scale, cap, IS_CAUSAL,
-                                         BIAS_KIND, True, SOFTCAP, HAS_REPLACE, BIAS_KEYS)
+                                         BIAS_KIND, True, SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW,
+                                         window)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 l_i = l_i * _exp(m_i - m_ref, True) + tl.sum(_exp(s - m_ref[:, None], True), 1)
@@ -169,7 +171,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
               IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
               NEED_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-              BLOCK_M: tl.constexpr):
+              BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, window):
     """One (key block, query block) pair on transposed (keys x queries) tiles: dV += P^T dO and
     dK += dS^T Q stay in registers; dQ += dS K is added atomically (unscaled; the cast kernel
     applies the softmax scale). With ROT, q (and k) are the rotated tiles, dK/dQ gradients
@@ -204,7 +206,8 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
         s_t, t_t, rep_t = _capped_scores(qk_t, start_m, start_n, offs_m[None, :], offs_n[:, None],
                                          Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
                                          stride_rm, stride_rn, score_scale, cap, IS_CAUSAL,
-                                         BIAS_KIND, MASK, SOFTCAP, HAS_REPLACE, BIAS_KEYS)
+                                         BIAS_KIND, MASK, SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW,
+                                         window)
         if BIAS_KIND == 2 and ONE_KEY_BLOCK:
             # Natural units, as the preprocess: RowM = lse, RowR = 0; where the lse lost
             # precision (|lse| > _LSE_EXACT_LIMIT in this block), the rows' exact max and log2
@@ -285,10 +288,10 @@ def attention_bwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    Hq, Hkv, kv_group, Lq, Lk, score_scale, sm_scale,
+    Hq, Hkv, kv_group, Lq, Lk, window, score_scale, sm_scale,
     Seed, drop_thresh, inv_keep, group_split, split_stride_dk, split_stride_dv, cap,
     D: tl.constexpr, Dv: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
     DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
     BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -335,7 +338,17 @@ def attention_bwd_kernel(
     dk0, dk1, dk2 = _zero_parts(BLOCK_N, D0, D1, D2)
     dv0, dv1, _ = _zero_parts(BLOCK_N, DV0, DV1, 0)
 
-    lo, mid, n_full = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    lo, mid, n_full, end = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N, WINDOW,
+                                         window)
+    if ONE_KEY_BLOCK:
+        end = Lq  # each program stores its rows' dQ: rows the window hides get their zeros too
+    # The masked blocks, [lo, mid) then (with a window) [tail, end), walked by one loop (so the
+    # kernel keeps the two loops it has without a window). The windowed kernel runs unpipelined
+    # (registry.General.config): with num_stages 2 it hung the GPU (H200, Triton 3.6), with this
+    # loop and with a separate third one alike.
+    tail = mid + n_full * BLOCK_M
+    n_lo = tl.cdiv(tl.maximum(mid - lo, 0), BLOCK_M)
+    n_masked = n_lo + tl.cdiv(tl.maximum(end - tail, 0), BLOCK_M)
     for g in range(split * heads_per_split, (split + 1) * heads_per_split):
         h = kvh * kv_group + g
         q_base = Q + b * stride_qb + h * stride_qh
@@ -358,17 +371,33 @@ def attention_bwd_kernel(
                                      stride_dsm, stride_dsn)
                 tl.store(ds_ptrs, zero, mask=((start_m + offs_m) < Lq)[None, :]
                          & (start_n + offs_n < Lk)[:, None])
-        for start_m in range(lo, mid, BLOCK_M):
-            dk0, dk1, dk2, dv0, dv1 = _bwd_step(
-                k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
-                ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
-                offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
-                stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
-                seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn,
-                o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base, stride_dqm,
-                stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE, BIAS_KEYS,
-                D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
-                IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
+        if WINDOW:
+            for idx in range(0, n_masked):
+                start_m = tl.where(idx < n_lo, lo + idx * BLOCK_M, tail + (idx - n_lo) * BLOCK_M)
+                dk0, dk1, dk2, dv0, dv1 = _bwd_step(
+                    k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base,
+                    bias_base, ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n,
+                    start_m, offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod,
+                    stride_bm, stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd,
+                    score_scale, cap, seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm,
+                    stride_rn, o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base,
+                    stride_dqm, stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP,
+                    HAS_REPLACE, BIAS_KEYS, D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED,
+                    HALF_TABLE, IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT,
+                    BLOCK_M, WINDOW, window)
+        else:
+            for start_m in range(lo, mid, BLOCK_M):
+                dk0, dk1, dk2, dv0, dv1 = _bwd_step(
+                    k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
+                    ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
+                    offs_n, offs_m, Lq, Lk, stride_qm, stride_qd, stride_dom, stride_dod, stride_bm,
+                    stride_bn, stride_dsm, stride_dsn, stride_cqm, stride_cqd, score_scale, cap,
+                    seed, b * Hq + h, drop_thresh, inv_keep, rep_base, stride_rm, stride_rn,
+                    o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base, stride_dqm,
+                    stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE, BIAS_KEYS,
+                    D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
+                    IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M, WINDOW,
+                    window)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
         # one head do not all add into the same dQ rows at the same time.
         for j in range(0, n_full):
@@ -382,7 +411,17 @@ def attention_bwd_kernel(
                 o_base, stride_om, stride_od, lse_base, stride_lm, dq_out_base, stride_dqm,
                 stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE, BIAS_KEYS,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
-                IS_CAUSAL, BIAS_KIND, False, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M)
+                IS_CAUSAL, BIAS_KIND, False, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M, WINDOW,
+                window)
+        if WINDOW:
+            if NEED_DS:
+                # Query blocks past the window's reach see none of this key block: dS = 0.
+                zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                for start_m in range(tl.cdiv(end, BLOCK_M) * BLOCK_M, Lq, BLOCK_M):
+                    ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[None, :],
+                                         offs_n[:, None], stride_dsm, stride_dsn)
+                    tl.store(ds_ptrs, zero, mask=((start_m + offs_m) < Lq)[None, :]
+                             & (start_n + offs_n < Lk)[:, None])
 
     dk0 = dk0 * sm_scale
     if D1 != 0:
@@ -470,9 +509,9 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, Hkv, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
+    Hq, Hkv, kv_group, Lq, Lk, window, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
     Seed, drop_thresh, inv_keep, cap,
-    IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -513,6 +552,11 @@ def attention_bwd_dkdv_kernel(
         lo = (start_n // BLOCK_M) * BLOCK_M
     else:
         lo = 0
+    # Sliding window: query rows from this block's last key + window on see none of it.
+    if WINDOW:
+        end = tl.minimum(Lq, start_n + BLOCK_N - 1 + window)
+    else:
+        end = Lq
     # Every query head of the GQA group accumulates into the same registers: no atomics.
     for g in range(0, kv_group):
         h = kvh * kv_group + g
@@ -523,7 +567,7 @@ def attention_bwd_dkdv_kernel(
         cq_base = Cos + b * stride_cqb + h * stride_cqh
         sq_base = Sin + b * stride_cqb + h * stride_cqh
         stat_base = (b * Hq + h) * Lq
-        for start_m in range(lo, Lq, BLOCK_M):
+        for start_m in range(lo, end, BLOCK_M):
             q0, q1, q2 = _load_qk(q_base, start_m, Lq, stride_qm, stride_qd, cq_base, sq_base,
                                   stride_cqm, stride_cqd, D, D0, D1, D2, ROT, INTERLEAVED,
                                   HALF_TABLE, BLOCK_M)
@@ -542,7 +586,7 @@ def attention_bwd_dkdv_kernel(
                                              offs_n[:, None], Lq, Lk, bias_base, stride_bm,
                                              stride_bn, rep_base, stride_rm, stride_rn,
                                              score_scale, cap, IS_CAUSAL, BIAS_KIND, True,
-                                             SOFTCAP, HAS_REPLACE, BIAS_KEYS)
+                                             SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW, window)
             p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
             if DROPOUT:
@@ -591,9 +635,9 @@ def attention_bwd_dq_kernel(
     stride_dsb, stride_dsh, stride_dsm, stride_dsn,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, kv_group, Lq, Lk, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
+    Hq, kv_group, Lq, Lk, window, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
     Seed, drop_thresh, inv_keep, cap,
-    IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
     DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
     BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -645,7 +689,12 @@ def attention_bwd_dq_kernel(
         hi = tl.minimum(Lk, start_m + BLOCK_M)
     else:
         hi = Lk
-    for start_n in range(0, hi, BLOCK_N):
+    # Sliding window: key blocks ending before the block's first row's first key are hidden.
+    if WINDOW:
+        lo = (tl.maximum(start_m - window + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        lo = 0
+    for start_n in range(lo, hi, BLOCK_N):
         k0, k1, k2 = _load_qk(k_base, start_n, Lk, stride_kn, stride_kd, ck_base, sk_base,
                               stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED,
                               HALF_TABLE, BLOCK_N)
@@ -654,7 +703,7 @@ def attention_bwd_dq_kernel(
         s, t, rep = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
                                    bias_base, stride_bm, stride_bn, rep_base, stride_rm,
                                    stride_rn, score_scale, cap, IS_CAUSAL, BIAS_KIND, True,
-                                   SOFTCAP, HAS_REPLACE, BIAS_KEYS)
+                                   SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW, window)
         p = _probs(s, row_m[:, None], row_r[:, None], BIAS_KIND)
         dp = _dot(do, tl.trans(v), PRECISION, UPCAST_DOT)
         if DROPOUT:
@@ -680,6 +729,10 @@ def attention_bwd_dq_kernel(
         # Key blocks the causal loop skipped are entirely masked: their dS is 0.
         zero = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for start_n in range(tl.cdiv(hi, BLOCK_N) * BLOCK_N, Lk, BLOCK_N):
+            ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[:, None], offs_n[None, :],
+                                 stride_dsm, stride_dsn)
+            tl.store(ds_ptrs, zero, mask=row_ok[:, None] & (start_n + offs_n < Lk)[None, :])
+        for start_n in range(0, lo, BLOCK_N):  # and those the window hides
             ds_ptrs = _pair_ptrs(ds_base, start_m, start_n, offs_m[:, None], offs_n[None, :],
                                  stride_dsm, stride_dsn)
             tl.store(ds_ptrs, zero, mask=row_ok[:, None] & (start_n + offs_n < Lk)[None, :])

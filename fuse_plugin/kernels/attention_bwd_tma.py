@@ -115,7 +115,7 @@ def attention_bwd_tma_kernel(
         k_desc, v_desc, Lk, Hkv, kv_group, group_split, D, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
-    lo, mid, n_full = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    lo, mid, n_full, _ = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for g in range(split * heads_per_split, (split + 1) * heads_per_split):
         h = kvh * kv_group + g
         stat_base = (b.to(tl.int64) * Hq + h) * Lq

@@ -36,8 +36,9 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
               IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
               SCALE_POS: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-              BLOCK_N: tl.constexpr, BIAS_KEYS: tl.constexpr):
-    """One key block of the online softmax (with ROT, the key tile is rotated after its load)."""
+              BLOCK_N: tl.constexpr, BIAS_KEYS: tl.constexpr, WINDOW: tl.constexpr, window):
+    """One key block of the online softmax (with ROT, the key tile is rotated after its load).
+    WINDOW: a sliding window, which can hide a row's whole block (the -inf guard below)."""
     k0, k1, k2 = _load_qk(k_base, start_n, Lk, stride_kn, stride_kd, ck_base, sk_base,
                           stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
                           BLOCK_N)
@@ -48,9 +49,13 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
             s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq,
                                      Lk, bias_base, stride_bm, stride_bn, rep_base, stride_rm,
                                      stride_rn, score_scale, cap, IS_CAUSAL, BIAS_KIND, MASK,
-                                     SOFTCAP, HAS_REPLACE, BIAS_KEYS)
+                                     SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW, window)
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
+            if WINDOW:  # a row may have met only hidden keys so far: keep (-inf) - (-inf) out
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_ref = m_new
+            p = tl.exp2(s - m_ref[:, None])
         else:
             # Fully visible block: the row max is taken on the raw dots and the scale is folded
             # into one FMA per score. Every row has a finite max here (see the callers), and
@@ -61,13 +66,14 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
             else:
                 m_blk = tl.min(qk, 1) * score_scale
             m_new = tl.maximum(m_i, m_blk)
+            m_ref = m_new
             p = tl.exp2(qk * score_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        alpha = tl.exp2(m_i - m_ref)
     else:
         s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
                                  bias_base, stride_bm, stride_bn, rep_base, stride_rm, stride_rn,
                                  score_scale, cap, IS_CAUSAL, BIAS_KIND, MASK, SOFTCAP,
-                                 HAS_REPLACE, BIAS_KEYS)
+                                 HAS_REPLACE, BIAS_KEYS, WINDOW, window)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A bias can mask a row's whole block: while a row has seen only -inf, use 0 as the
         # reference so that (-inf) - (-inf) never produces NaN (p and alpha are then 0).
@@ -99,10 +105,10 @@ def attention_fwd_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, kv_group, Lq, Lk, score_scale,
+    Hq, kv_group, Lq, Lk, window, score_scale,
     Seed, drop_thresh, inv_keep, cap,
     D: tl.constexpr, Dv: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, SCALE_POS: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, SCALE_POS: tl.constexpr,
     DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
     BIAS_KEYS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -150,8 +156,22 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc0, acc1, _ = _zero_parts(BLOCK_M, DV0, DV1, 0)
 
-    full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    for start_n in range(0, full_end, BLOCK_N):
+    # [lo, full_lo): the window's lower edge (masked); [full_lo, full_end): fully visible;
+    # [full_end, hi): the causal diagonal / last partial key block (masked).
+    lo, full_lo, full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N, WINDOW,
+                                            window)
+    if WINDOW:
+        for start_n in range(lo, full_lo, BLOCK_N):
+            m_i, l_i, acc0, acc1 = _fwd_step(
+                q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
+                start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
+                stride_vd, stride_bm, stride_bn, stride_ckn, stride_ckd, score_scale, cap,
+                seed, pid_bh, drop_thresh, rep_base, stride_rm, stride_rn, DROPOUT, SOFTCAP,
+                HAS_REPLACE,
+                D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
+                IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N,
+                BIAS_KEYS, WINDOW, window)
+    for start_n in range(full_lo, full_end, BLOCK_N):
         m_i, l_i, acc0, acc1 = _fwd_step(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
             start_m, start_n, offs_m, offs_n, Lq, Lk, stride_kn, stride_kd, stride_vn,
@@ -160,7 +180,7 @@ def attention_fwd_kernel(
             HAS_REPLACE,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, False, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N,
-            BIAS_KEYS)
+            BIAS_KEYS, WINDOW, window)
     for start_n in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc0, acc1 = _fwd_step(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
@@ -170,7 +190,7 @@ def attention_fwd_kernel(
             HAS_REPLACE,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N,
-            BIAS_KEYS)
+            BIAS_KEYS, WINDOW, window)
 
     # A fully masked row has l_i == 0: 0/0 = NaN like eager softmax, and lse = -inf.
     inv_l = 1.0 / l_i

@@ -86,7 +86,7 @@ def attention_fwd_tma_kernel(
 
     # Top-left causal: every row sees key 0, so each row's max is finite after its first block
     # (no -inf guard needed).
-    full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    _, _, full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
         m_i, l_i, acc = _tma_fwd_step(q, k_desc, v_desc, b, kvh, m_i, l_i, acc, start_m, start_n,
                                       offs_m, offs_n, Lk, qk_scale, IS_CAUSAL, False, D, BLOCK_N,

@@ -149,8 +149,8 @@ def _dots(q) -> dict:
 
 def _common(call) -> dict:
     """The constexprs every general kernel takes: the masks, the bias's form, the dots'."""
-    return dict(IS_CAUSAL=call.is_causal, BIAS_KIND=call.kind, HAS_REPLACE=call.has_rep,
-                BIAS_KEYS=call.bias_keys, **_dots(call.q))
+    return dict(IS_CAUSAL=call.is_causal, WINDOW=bool(call.window), BIAS_KIND=call.kind,
+                HAS_REPLACE=call.has_rep, BIAS_KEYS=call.bias_keys, **_dots(call.q))
 
 
 def _inputs(call, with_v: bool = True) -> dict:
@@ -180,9 +180,10 @@ def _input_stride_args(sq, sk, sv, sb, sr, scq, sck) -> dict:
 
 def _sizes(call) -> dict:
     """The sizes every general kernel takes (head counts and dims: ints; lengths: SymInts
-    under dynamic shapes)."""
+    under dynamic shapes; the sliding window, 0 without one)."""
     _, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
-    return {"Hq": Hq, "kv_group": Hq // Hkv, "Lq": Lq, "Lk": Lk, "D": D, "Dv": Dv}
+    return {"Hq": Hq, "kv_group": Hq // Hkv, "Lq": Lq, "Lk": Lk, "window": call.window, "D": D,
+            "Dv": Dv}
 
 
 def _scores(call) -> dict:

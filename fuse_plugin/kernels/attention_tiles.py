@@ -127,18 +127,29 @@ def _zero_parts(ROWS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.c
 
 @triton.jit
 def _key_blocks(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """The forward's key range for the query block at ``start_m``: ``(full_end, hi)``. Key blocks
-    [0, full_end) are fully visible to every row of the block (no mask math); [full_end, hi) are
-    the causal diagonal and/or the last partial key block. Causal (top-left): key blocks starting
-    after the block's last row are fully masked and skipped."""
+                BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = False, window=0):
+    """The forward's key range for the query block at ``start_m``: ``(lo, full_lo, full_end,
+    hi)``. Key blocks [full_lo, full_end) are fully visible to every row of the block (no mask
+    math); [lo, full_lo) and [full_end, hi) need the masks: the causal diagonal and/or the last
+    partial key block, and with a sliding window the window's lower edge. Causal (top-left): key
+    blocks starting after the block's last row are fully masked and skipped. WINDOW (with
+    causal; query i sees keys i - window + 1 .. i): key blocks ending before the block's first
+    row's first key are skipped too, found from the sizes alone (O(1), no mask is read)."""
     if IS_CAUSAL:
         hi = tl.minimum(Lk, start_m + BLOCK_M)
         full_end = (tl.minimum(start_m + 1, Lk) // BLOCK_N) * BLOCK_N
     else:
         hi = Lk
         full_end = (Lk // BLOCK_N) * BLOCK_N
-    return full_end, hi
+    if WINDOW:
+        lo = (tl.maximum(start_m - window + 1, 0) // BLOCK_N) * BLOCK_N
+        # the first key block every row of the block sees whole: its last row's first key on
+        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), full_end)
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo, full_end, hi
 
 
 @triton.jit
@@ -170,12 +181,15 @@ def _query_block_program(Lq, Hq, kv_group, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _query_blocks(start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """The atomic backward's query range for the key block at ``start_n``: ``(lo, mid, n_full)``.
-    Query blocks [lo, mid) need masks (the causal diagonal; every block when this key block is
-    the last, partial one, whose padding keys must not reach dQ); the ``n_full`` blocks from mid
-    on are fully visible. Causal: query blocks ending before the key block's first key see none
-    of it."""
+                  BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = False, window=0):
+    """The atomic backward's query range for the key block at ``start_n``: ``(lo, mid, n_full,
+    end)``. Query blocks [lo, mid) need masks (the causal diagonal; every block when this key
+    block is the last, partial one, whose padding keys must not reach dQ); the ``n_full``
+    blocks from mid on are fully visible; [mid + n_full * BLOCK_M, end) need masks again (the
+    sliding window's edge). The blocks visited are those starting in [lo, end). Causal: query
+    blocks ending before the key block's first key see none of it. WINDOW (with causal; query
+    i sees keys i - window + 1 .. i): query blocks starting at or after the block's last key +
+    window see none of it either (``end``); without it ``end`` is Lq."""
     if IS_CAUSAL:
         lo = (start_n // BLOCK_M) * BLOCK_M
         mid = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
@@ -183,7 +197,17 @@ def _query_blocks(start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexp
         lo = 0
         mid = 0
     mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
-    return lo, mid, tl.cdiv(Lq - mid, BLOCK_M)
+    if WINDOW:
+        end = tl.minimum(Lq, start_n + BLOCK_N - 1 + window)
+        mid = tl.minimum(mid, end)
+        # blocks whose last row still sees this block's first key are fully visible
+        full_hi = tl.minimum(((start_n + window) // BLOCK_M) * BLOCK_M,
+                             tl.cdiv(Lq, BLOCK_M) * BLOCK_M)
+        n_full = tl.maximum(full_hi - mid, 0) // BLOCK_M
+    else:
+        end = Lq
+        n_full = tl.cdiv(Lq - mid, BLOCK_M)
+    return lo, mid, n_full, end
 
 
 # --------------------------------------------------------------------------------------------
@@ -395,7 +419,8 @@ def _replaced(rep_base, row0, col0, r, c, Lq, Lk, stride_rm, stride_rn, HAS_REPL
 @triton.jit
 def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, score_scale,
             IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
-            HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr = False):
+            HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr = False,
+            WINDOW: tl.constexpr = False, window=0):
     """Scale, bias and mask a tile of raw dot products ``qk``.
 
     Query index = row0 + r, key index = col0 + c, with ``r``/``c`` aranges shaped to broadcast
@@ -406,7 +431,9 @@ def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, 
     HAS_REPLACE (a float bias only): where ``rep`` (``_replaced``) holds, the score is the bias
     alone, where(rep, bias, s + bias). BIAS_KEYS: the bias does not vary over queries (stride 0
     there: a key-padding mask, (B, 1, 1, Lk) broadcast): one value per key is loaded, a vector
-    broadcast against the tile, not a tile of repeated values.
+    broadcast against the tile, not a tile of repeated values. WINDOW (with IS_CAUSAL): the
+    keys at or before row - window are masked too (a sliding window: key j visible to query i
+    iff i - window < j <= i).
     """
     s = qk * score_scale
     if HAS_REPLACE:
@@ -427,6 +454,8 @@ def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, 
         keep = cols < Lk
         if IS_CAUSAL:
             keep = keep & (cols <= row0 + r)
+            if WINDOW:
+                keep = keep & (cols > row0 + r - window)
         s = tl.where(keep, s, float("-inf"))
     return s
 
@@ -451,7 +480,8 @@ def _tanh(x):
 def _capped_scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
                    stride_rm, stride_rn, score_scale, cap, IS_CAUSAL: tl.constexpr,
                    BIAS_KIND: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-                   HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr = False):
+                   HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr = False,
+                   WINDOW: tl.constexpr = False, window=0):
     """``_scores`` with the softcap (``SOFTCAP``) applied before the replace mask, the bias and
     the masks: (s, t, rep) with s = cap·t (+ bias, masks) and t = tanh(qk·score_scale); the
     launcher passes score_scale = scale / softcap and cap = softcap in the kernel's units (times
@@ -462,11 +492,12 @@ def _capped_scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn
     if SOFTCAP:
         t = _tanh(qk * score_scale)
         s = _scores(t, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, cap,
-                    IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE, BIAS_KEYS)
+                    IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE, BIAS_KEYS, WINDOW, window)
     else:
         t = qk
         s = _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep,
-                    score_scale, IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE, BIAS_KEYS)
+                    score_scale, IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE, BIAS_KEYS, WINDOW,
+                    window)
     return s, t, rep
 
 

@@ -108,6 +108,16 @@ def check_dropout(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tenso
             f"{seed.dtype} of shape {tuple(seed.shape)} on {seed.device}")
 
 
+def check_window(window: int, is_causal: bool) -> None:
+    """window: an int >= 0 (0 = none); a window > 0 comes with is_causal (query i sees keys
+    i - window + 1 .. i)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"fuse_plugin::attention: window must be an int >= 0 (0 = none), got {window!r}")
+    if window and not is_causal:
+        raise ValueError(f"fuse_plugin::attention: window={window} needs is_causal=True (a sliding window "
+                         "bounds the keys a causal query sees: i - window < j <= i)")
+
+
 def check_softcap(softcap: float) -> None:
     """softcap: a finite number >= 0 (0 = off)."""
     if not (softcap >= 0.0 and math.isfinite(softcap)):
@@ -202,6 +212,7 @@ class AttentionCall:
     replace: Optional[torch.Tensor]
     rope: Optional[Rope]
     config: Any = None  # a config the caller gave (names its family), else None
+    window: int = 0  # sliding window (with is_causal): query i sees keys i - window + 1 .. i
     # backward only
     dout: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
@@ -237,18 +248,20 @@ class AttentionCall:
 
     @classmethod
     def forward(cls, q, k, v, bias, *, is_causal, scale, config=None, rope=None, dropout_p=0.0,
-                dropout_seed=None, softcap=0.0, replace=None) -> "AttentionCall":
+                dropout_seed=None, softcap=0.0, replace=None, window=0) -> "AttentionCall":
         check_inputs(q, k, v, bias)
+        check_window(window, is_causal)
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         call = cls("fwd", q, k, v, bias, bool(is_causal), scale, dropout_p, dropout_seed, softcap,
-                   replace, rope, config)
+                   replace, rope, config, window=window)
         return call._derive()
 
     @classmethod
     def backward(cls, dout, q, k, v, bias, out, lse, *, is_causal, scale, need_dbias, config=None,
                  deterministic=None, rope=None, dropout_p=0.0, dropout_seed=None, group_split=None,
-                 softcap=0.0, replace=None) -> "AttentionCall":
+                 softcap=0.0, replace=None, window=0) -> "AttentionCall":
         check_inputs(q, k, v, bias)
+        check_window(window, is_causal)
         inputs = (q, k, v)
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         dout = unit_last_stride(dout)  # the forward's layout (out_layout): read by its strides
@@ -260,7 +273,8 @@ class AttentionCall:
         if deterministic is None:
             deterministic = torch.are_deterministic_algorithms_enabled()
         call = cls("bwd", q, k, v, bias, bool(is_causal), scale, dropout_p, dropout_seed, softcap,
-                   replace, rope, config, dout=dout, out=out, lse=lse, need_dbias=bool(need_dbias),
+                   replace, rope, config, window=window, dout=dout, out=out, lse=lse,
+                   need_dbias=bool(need_dbias),
                    deterministic=bool(deterministic), group_split=group_split, inputs=inputs)
         return call._derive()
 
@@ -339,9 +353,12 @@ class AttentionCall:
         return B * Hq == 0
 
     def flops(self) -> float:
-        """Forward FLOPs (4·B·Hq·Lq·Lk·D, half with causal), by the sizes' hints."""
+        """Forward FLOPs (4·B·Hq·Lq·Lk·D, half with causal, the band's share with a window), by
+        the sizes' hints."""
         B, Hq, Lq, D, _, Lk, _ = self.sizes
         f = 4.0 * hint(B) * Hq * hint(Lq) * hint(Lk) * D
+        if self.window:
+            return f * window_area(hint(Lq), hint(Lk), self.window) / (hint(Lq) * hint(Lk))
         return f * (0.5 if self.is_causal else 1.0)
 
     def describe(self) -> str:
@@ -353,10 +370,20 @@ class AttentionCall:
             parts.append("bool mask" if self.kind == host.BOOL_BIAS else "float bias")
             if self.period is not None:
                 parts.append(f"window-periodic ({self.period})")
-        for on, what in ((self.is_causal, "causal"), (self.dropout, "dropout"),
+        for on, what in ((self.is_causal, "causal"), (self.window, f"window {self.window}"),
+                         (self.dropout, "dropout"),
                          (self.softcapped, "softcap"), (self.has_rep, "replace mask"),
                          (self.rope is not None, "rope"), (self.need_dbias, "dbias"),
                          (self.deterministic and self.direction == "bwd", "deterministic")):
             if on:
                 parts.append(what)
         return ", ".join(parts)
+
+
+def window_area(Lq: int, Lk: int, window: int) -> int:
+    """How many (query, key) pairs a causal sliding window leaves visible (top-left aligned: key
+    j visible to query i iff i - window < j <= i, j < Lk)."""
+    total = 0
+    for i in range(Lq):  # closed form per row; Lq is at most a few 100k
+        total += max(0, min(i, Lk - 1) - max(i - window + 1, 0) + 1)
+    return total

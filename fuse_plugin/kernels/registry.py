@@ -72,8 +72,17 @@ class Family:
     periodic_bias = False  # reads a window-periodic bias by its period (call.py)
     rule = ""  # why it is taken when it is the first that can run a call (the priority list)
 
+    takes_window = False  # runs a sliding window (``call.window``)
+
     def why_not(self, call) -> Optional[str]:
-        """Why this family cannot run ``call`` (None: it can)."""
+        """Why this family cannot run ``call`` (None: it can): the features it lacks, then its
+        own checks (``cannot``)."""
+        if call.window and not self.takes_window:
+            return "it takes no sliding window (the general kernels do)"
+        return self.cannot(call)
+
+    def cannot(self, call) -> Optional[str]:
+        """The family's own reasons (see ``why_not``)."""
         raise NotImplementedError
 
     def declines(self, call) -> Optional[str]:
@@ -123,7 +132,7 @@ class Cudnn(Family):
             return f"measured slower than ours below {least} tokens"
         return None
 
-    def why_not(self, call):
+    def cannot(self, call):
         q, k = call.q, call.k
         if q.device.type != "cuda":
             return "not on CUDA"
@@ -150,7 +159,7 @@ class Decode(Family):
     rule = (f"a decode step (Lq <= {attention_decode.DECODE_MAX_LQ} against Lk >= "
             f"{attention_decode.DECODE_MIN_LK}): keys split across programs")
 
-    def why_not(self, call):
+    def cannot(self, call):
         if call.rope is not None or call.dropout or call.softcapped or call.has_rep:
             return "it takes no rope, dropout, softcap or replace mask"
         Lq, Lk = call.sizes[2], call.sizes[5]
@@ -172,7 +181,7 @@ class Small(Family):
     periodic_bias = True
     rule = ""  # none: see declines
 
-    def why_not(self, call):
+    def cannot(self, call):
         return attention_small.why_not(
             call.q, call.k, call.v, call.bias, dropout=call.dropout, softcap=call.softcapped,
             replace=call.has_rep, rope=call.rope is not None, need_dbias=call.need_dbias,
@@ -209,7 +218,7 @@ class GluonForward(Family):
     directions = ("fwd",)
     rule = "the tuning table's pick (warp-specialised Hopper kernel)"
 
-    def why_not(self, call):
+    def cannot(self, call):
         if attention_hopper.gluon_failed(self.config(call)):
             return "its tiles did not fit this GPU"
         return attention_hopper.why_not_tma(call) or attention_hopper.why_not_gluon_platform(call)
@@ -234,7 +243,7 @@ class GluonBackward(Family):
     directions = ("bwd",)
     rule = GluonForward.rule
 
-    def why_not(self, call):
+    def cannot(self, call):
         if call.deterministic:
             return "deterministic mode (it adds dQ with atomics)"
         return attention_hopper.why_not_gluon_bwd(call, self.config(call))
@@ -254,7 +263,7 @@ class Tma(Family):
     name = "tma"
     rule = "the tuning table's pick (TMA tiles)"
 
-    def why_not(self, call):
+    def cannot(self, call):
         if call.direction == "fwd":
             return attention_hopper.why_not_tma(call)
         if call.deterministic:
@@ -289,7 +298,7 @@ class TmaPair(Family):
     directions = ("bwd",)
     rule = "the tuning table's pick (atomic-free pair, TMA tiles)"
 
-    def why_not(self, call):
+    def cannot(self, call):
         if call.need_dbias:
             return "it writes no dbias"
         return attention_hopper.why_not_tma(call, attention_hopper.TMA_PAIR_HEAD_DIMS)
@@ -308,9 +317,10 @@ class TmaPair(Family):
 class TwoKernel(Family):
     name = "two_kernel"
     directions = ("bwd",)
+    takes_window = True
     rule = "deterministic mode, or the tuning table's pick (atomic-free pair)"
 
-    def why_not(self, call):
+    def cannot(self, call):
         return None
 
     def declines(self, call):
@@ -338,9 +348,10 @@ class TwoKernel(Family):
 
 class General(Family):
     name = "general"
+    takes_window = True
     rule = "the general kernels (every problem)"
 
-    def why_not(self, call):
+    def cannot(self, call):
         if call.direction == "bwd" and call.deterministic:
             return "deterministic mode (it adds dQ with atomics)"
         return None
@@ -359,6 +370,10 @@ class General(Family):
             heuristic = forward_config if call.direction == "fwd" else backward_config
             entry = fit_smem(call.direction, heuristic(D, Dv, call.q.dtype), D, Dv,
                              call.q.element_size(), call.bias_elt, call.q.device)
+        if call.window and call.direction == "bwd" and entry.num_stages > 1:
+            # The windowed atomic backward hung the GPU (H200, Triton 3.6) with its pipelined
+            # tiles (64, 128, 8 warps, 2 stages) and ran with (64, 64, 4, 1): unpipelined here.
+            entry = entry._replace(num_stages=1)
         return rope_adjust(call.direction, entry, call.q.dtype, call.rc)
 
     def run(self, call, cfg, out_layout):

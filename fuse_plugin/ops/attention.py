@@ -1,7 +1,8 @@
 """`fuse_plugin::attention` and its backward op.
 
     out, lse = torch.ops.fuse_plugin.attention(q, k, v, attn_bias, dropout_p, is_causal, scale,
-                                               dropout_seed=None, softcap=0.0, replace=None)
+                                               dropout_seed=None, softcap=0.0, replace=None,
+                                               window=0)
 
 computes softmax(q·kᵀ·scale + bias [causal]) · v (with softcap c > 0:
 softmax(c·tanh(q·kᵀ·scale / c) + bias [causal]) · v, Gemma 2's and Grok's logit softcapping,
@@ -14,7 +15,11 @@ applied to the scaled scores before the bias and the masks; 0 = off) with
   rewrite's form for it: no copy per window batch; its gradient has the bias's own shape);
   is_causal top-left aligned like SDPA's `is_causal`: key j is visible to query i iff j <= i,
   also when Lq != Lk (so with Lq > Lk every row still sees key 0; a KV-cache decode step
-  wants bottom-right alignment and must pass an explicit mask instead).
+  wants bottom-right alignment and must pass an explicit mask instead);
+  window (with is_causal; 0 = none) a sliding window: key j is visible to query i iff
+  i - window < j <= i (HF's `sliding_window`, Mistral / Gemma 2 / gpt-oss), so each row sees at
+  most `window` keys. The kernels skip the key blocks it hides (the work follows the band, not
+  the square), where the same window as a bias would cost the whole causal triangle.
 Outputs: out (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv) in memory (a transposed
 view, as SDPA's flash/cuDNN outputs: the usual head merge `out.transpose(1, 2).reshape(B, Lq, -1)`
 is then a view, no copy), lse (B, Hq, Lq) float32 contiguous (natural log).
@@ -41,6 +46,10 @@ This is what a finite masked_fill / where of the scores next to additive terms c
 (patterns/attention_bias.py builds the bias by replaying the chain's masks on zero scores and
 the mask as the union of the fill masks). Only the general Triton kernels take it, as softcap.
 
+Window: only the general Triton kernels take it (kernels/registry.py: every other family says
+why not); the CPU reference masks the band. The rewrite passes it where it proves a causal
+sliding-window mask (patterns/mask_structure.py), instead of an (Lq, Lk) bias.
+
 Softcap: the general Triton kernels (forward, atomic and deterministic backward) take it; the
 TMA and Gluon kernels do not, and the launcher never picks them for a softcapped call
 (kernels/attention.py, ``_softcap_config``). `rope_attention` has no softcap: the rope folding
@@ -53,7 +62,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.call import check_dropout, check_softcap  # (imports no Triton kernel)
+from ..kernels.call import check_dropout, check_softcap, check_window  # (imports no Triton kernel)
 from ..kernels.host import in_layout_of, layout_like
 from . import _dispatch, inductor, reference
 
@@ -150,31 +159,37 @@ def whole_bias(attn_bias: Optional[Tensor], q: Tensor, k: Tensor, period: Option
 _LIB = torch.library.Library("fuse_plugin", "FRAGMENT")
 _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, float dropout_p, bool is_causal, "
-    "float scale, Tensor? dropout_seed=None, float softcap=0.0, Tensor? replace=None) -> (Tensor, Tensor)",
+    "float scale, Tensor? dropout_seed=None, float softcap=0.0, Tensor? replace=None, int window=0) "
+    "-> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define(
     "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor out, "
     "Tensor lse, float dropout_p, bool is_causal, float scale, Tensor? dropout_seed, "
-    "bool need_dbias, float softcap=0.0, Tensor? replace=None) -> (Tensor, Tensor, Tensor, Tensor)",
+    "bool need_dbias, float softcap=0.0, Tensor? replace=None, int window=0) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], dropout_p: float,
               is_causal: bool, scale: float, dropout_seed: Optional[Tensor] = None,
-              softcap: float = 0.0, replace: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+              softcap: float = 0.0, replace: Optional[Tensor] = None, window: int = 0) -> tuple[Tensor, Tensor]:
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
+    check_window(window, is_causal)
     check_bias(attn_bias, q, k)
     check_replace(replace, attn_bias, q, k)
-    return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, softcap, replace)
+    return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, softcap, replace, window)
 
 
 def _extra(softcap: float, replace: Optional[Tensor], q: Tensor, k: Tensor, whole: bool = False,
-           period: Optional[int] = None) -> dict:
-    """softcap and replace for the kernels / the reference, only when on: calls without them stay
-    as they were. ``whole``: a window-periodic replace mask repeated to (B, ...) (the reference)."""
+           period: Optional[int] = None, window: int = 0) -> dict:
+    """softcap, replace and window for the kernels / the reference, only when on: calls without
+    them stay as they were. ``whole``: a window-periodic replace mask repeated to (B, ...) (the
+    reference)."""
     extra = {"softcap": softcap} if softcap else {}
+    if window:
+        extra["window"] = window
     if replace is not None:
         extra["replace"] = (whole_bias if whole else bias_4d)(replace, q, k, period)
     return extra
@@ -182,17 +197,17 @@ def _extra(softcap: float, replace: Optional[Tensor], q: Tensor, k: Tensor, whol
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], is_causal: bool, scale: float,
                  dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None, softcap: float = 0.0,
-                 replace: Optional[Tensor] = None):
+                 replace: Optional[Tensor] = None, window: int = 0):
     """The op's computation (also the second half of `rope_attention`'s unfused path)."""
     bias = bias_4d(attn_bias, q, k)
-    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q))
+    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q), window=window)
     if _runs_kernel(q, v):
         return _kernels().attention_forward(
             q, k, v, bias, is_causal=is_causal, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
             **extra)
     if period_of(attn_bias, q) is not None:  # the reference reads (B, ...) biases
         bias = whole_bias(attn_bias, q, k)
-        extra = _extra(softcap, replace, q, k, whole=True, period=period_of(attn_bias, q))
+        extra = _extra(softcap, replace, q, k, whole=True, period=period_of(attn_bias, q), window=window)
     out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, **extra)
     return out.transpose(1, 2).contiguous().transpose(1, 2), lse  # the kernels' layout
 
@@ -204,9 +219,10 @@ def empty_out(q: Tensor, v: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("fuse_plugin::attention", lib=_LIB)
-def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0, replace=None):
+def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0, replace=None, window=0):
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
+    check_window(window, is_causal)
     check_bias(attn_bias, q, k)
     check_replace(replace, attn_bias, q, k)
     b, hq, lq, _ = q.shape
@@ -216,19 +232,20 @@ def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softca
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor],
                        out: Tensor, lse: Tensor, dropout_p: float, is_causal: bool, scale: float,
                        dropout_seed: Optional[Tensor], need_dbias: bool, softcap: float = 0.0,
-                       replace: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       replace: Optional[Tensor] = None, window: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
+    check_window(window, is_causal)
     check_replace(replace, attn_bias, q, k)
     return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed,
-                         softcap, replace)
+                         softcap, replace, window)
 
 
 def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p=0.0, dropout_seed=None,
-                  softcap=0.0, replace=None):
+                  softcap=0.0, replace=None, window=0):
     bias = bias_4d(attn_bias, q, k)
-    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q))
+    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q), window=window)
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
@@ -237,7 +254,7 @@ def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbi
     else:
         if period_of(attn_bias, q) is not None:  # the reference reads (B, ...) biases
             bias = whole_bias(attn_bias, q, k)
-            extra = _extra(softcap, replace, q, k, whole=True, period=period_of(attn_bias, q))
+            extra = _extra(softcap, replace, q, k, whole=True, period=period_of(attn_bias, q), window=window)
         dq, dk, dv, ds = reference.attention_backward(
             dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, **extra
         )
@@ -261,18 +278,20 @@ def reduce_dbias(ds: Optional[Tensor], attn_bias: Optional[Tensor], q: Tensor, n
 
 @torch.library.register_fake("fuse_plugin::attention_backward", lib=_LIB)
 def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_seed, need_dbias, softcap=0.0,
-      replace=None):
+      replace=None, window=0):
     check_softcap(softcap)
+    check_window(window, is_causal)
     check_replace(replace, attn_bias, q, k)
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     return layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace = inputs
+    q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, attn_bias, out, lse, dropout_seed, replace)
     ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.softcap = dropout_p, is_causal, scale, softcap
+    ctx.window = window
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -280,17 +299,19 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, attn_bias, out, lse, dropout_seed, replace = ctx.saved_tensors
     if dout is None:
-        return (None,) * 10
+        return (None,) * 11
     need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = torch.ops.fuse_plugin.attention_backward.default(
         dout, q, k, v, attn_bias, out, lse, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed, need_dbias,
-        *_trailing(ctx.softcap, replace))
-    return (dq, dk, dv, (dbias if need_dbias else None)) + (None,) * 6
+        *_trailing(ctx.softcap, replace, ctx.window))
+    return (dq, dk, dv, (dbias if need_dbias else None)) + (None,) * 7
 
 
-def _trailing(softcap: float, replace: Optional[Tensor]) -> tuple:
-    """The trailing (softcap, replace) arguments of a call, only as far as one is on, so that
-    graphs without them keep the op's old call."""
+def _trailing(softcap: float, replace: Optional[Tensor], window: int = 0) -> tuple:
+    """The trailing (softcap, replace, window) arguments of a call, only as far as one is on, so
+    that graphs without them keep the op's old call."""
+    if window:
+        return (softcap, replace, window)
     if replace is not None:
         return (softcap, replace)
     return (softcap,) if softcap else ()
@@ -298,12 +319,12 @@ def _trailing(softcap: float, replace: Optional[Tensor]) -> tuple:
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace):
+    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace, window):
         with torch._C._AutoDispatchBelowAutograd():
             out, lse = torch.ops.fuse_plugin.attention.default(
-                q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, *_trailing(softcap, replace))
-        _setup_context(ctx, (q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace),
-                       (out, lse))
+                q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, *_trailing(softcap, replace, window))
+        _setup_context(ctx, (q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace,
+                             window), (out, lse))
         return out, lse
 
     @staticmethod
@@ -312,14 +333,14 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 def _attention_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0,
-                        replace=None):
+                        replace=None, window=0):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             attn_bias is not None and attn_bias.requires_grad)):
         return _AttentionFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale,
-                                        dropout_seed, softcap, replace)
+                                        dropout_seed, softcap, replace, window)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.fuse_plugin.attention.default(q, k, v, attn_bias, dropout_p, is_causal,
-                                                       scale, dropout_seed, *_trailing(softcap, replace))
+                                                       scale, dropout_seed, *_trailing(softcap, replace, window))
 
 
 _dispatch.register_with_backward(_LIB, "attention", attention, _attention_autograd, attention_backward)

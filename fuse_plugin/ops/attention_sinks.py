@@ -1,7 +1,8 @@
 """`fuse_plugin::attention_sinks`: attention with a learned per-head sink logit (gpt-oss).
 
     out, lse = torch.ops.fuse_plugin.attention_sinks(q, k, v, attn_bias, dropout_p, is_causal,
-                                                     scale, sinks, dropout_seed=None, replace=None)
+                                                     scale, sinks, dropout_seed=None, replace=None,
+                                                     window=0)
 
 computes what HF gpt-oss's eager attention does: the softmax over the scores with one more
 column, the head's sink logit, which is then dropped,
@@ -22,7 +23,9 @@ weights as exp(s − lse), which is the sink-normalised p, and take Δ = rowsum(
 gradient is dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse[b,h,i]) · Δ[b,h,i]. On the CPU the reference
 computes with the sink in its softmax, in the compute dtype (float64 stays exact), and returns
 the sink's gradient itself (reference.attention_forward / attention_backward's ``sinks``).
-replace: the attention op's replace mask (a finite fill next to additive terms), passed through.
+replace: the attention op's replace mask (a finite fill next to additive terms), passed through;
+window: the attention op's sliding window (with is_causal; gpt-oss's sliding layers), passed through
+(the sink joins every row's softmax alike, so the merge is the same).
 No softcap (the recogniser declines it). DTensors: ops/sharding.py (sinks follow
 the heads).
 """
@@ -33,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.call import check_dropout
+from ..kernels.call import check_dropout, check_window
 from . import _dispatch, inductor, reference
 from .attention import (_LIB, _extra, _kernels, _runs_kernel, bias_4d, check_bias, check_replace, empty_out,
                         forward_impl, period_of, reduce_dbias, whole_bias)
@@ -41,12 +44,12 @@ from ..kernels.host import in_layout_of, layout_like
 
 _LIB.define(
     "attention_sinks(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, float dropout_p, bool is_causal, "
-    "float scale, Tensor sinks, Tensor? dropout_seed=None, Tensor? replace=None) -> (Tensor, Tensor)",
+    "float scale, Tensor sinks, Tensor? dropout_seed=None, Tensor? replace=None, int window=0) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define(
     "attention_sinks_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor out, "
     "Tensor lse, Tensor sinks, float dropout_p, bool is_causal, float scale, Tensor? dropout_seed, "
-    "bool need_dbias, Tensor? replace=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    "bool need_dbias, Tensor? replace=None, int window=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 
 
@@ -60,8 +63,9 @@ def check_sinks(sinks: Tensor, q: Tensor) -> None:
         raise ValueError(f"fuse_plugin::attention_sinks: sinks on {sinks.device}, q on {q.device}")
 
 
-def _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace=None) -> None:
+def _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace=None, window=0, is_causal=True) -> None:
     check_dropout(dropout_p, dropout_seed, q)
+    check_window(window, is_causal)
     check_bias(attn_bias, q, k)
     check_replace(replace, attn_bias, q, k)
     check_sinks(sinks, q)
@@ -79,22 +83,24 @@ def merge_sinks(out0: Tensor, lse0: Tensor, sinks: Tensor, q: Tensor, v: Tensor)
 
 def attention_sinks(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], dropout_p: float,
                     is_causal: bool, scale: float, sinks: Tensor, dropout_seed: Optional[Tensor] = None,
-                    replace: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace)
+                    replace: Optional[Tensor] = None, window: int = 0) -> tuple[Tensor, Tensor]:
+    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace, window, is_causal)
     if _runs_kernel(q, v):
-        out0, lse0 = forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, replace=replace)
+        out0, lse0 = forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, replace=replace,
+                                  window=window)
         return merge_sinks(out0, lse0, sinks, q, v)
     # the reference, with the sink in its softmax in the compute dtype (float64 stays exact)
     P = period_of(attn_bias, q)
     bias = whole_bias(attn_bias, q, k) if P is not None else bias_4d(attn_bias, q, k)
     out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, sinks=sinks,
-                                           **_extra(0.0, replace, q, k, whole=P is not None, period=P))
+                                           **_extra(0.0, replace, q, k, whole=P is not None, period=P,
+                                                    window=window))
     return out.transpose(1, 2).contiguous().transpose(1, 2), lse
 
 
 @torch.library.register_fake("fuse_plugin::attention_sinks", lib=_LIB)
-def _(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None, replace=None):
-    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace)
+def _(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None, replace=None, window=0):
+    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace, window, is_causal)
     b, hq, lq, _ = q.shape
     return empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
 
@@ -109,29 +115,30 @@ def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
 def attention_sinks_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor],
                              out: Tensor, lse: Tensor, sinks: Tensor, dropout_p: float, is_causal: bool,
                              scale: float, dropout_seed: Optional[Tensor], need_dbias: bool,
-                             replace: Optional[Tensor] = None):
+                             replace: Optional[Tensor] = None, window: int = 0):
     """dq, dk, dv, dbias (empty unless need_dbias) and dsinks (sinks' shape and dtype)."""
-    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace)
+    _checks(q, k, attn_bias, dropout_p, dropout_seed, sinks, replace, window, is_causal)
     bias = bias_4d(attn_bias, q, k)
     P = period_of(attn_bias, q)
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
-            dropout_p=dropout_p, dropout_seed=dropout_seed, **_extra(0.0, replace, q, k, period=P))
+            dropout_p=dropout_p, dropout_seed=dropout_seed, **_extra(0.0, replace, q, k, period=P, window=window))
         dsinks = sinks_grad(dout, out, lse, sinks)
     else:
         if P is not None:
             bias = whole_bias(attn_bias, q, k)
         dq, dk, dv, ds, dsinks = reference.attention_backward(
             dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, sinks=sinks,
-            **_extra(0.0, replace, q, k, whole=P is not None, period=P))
+            **_extra(0.0, replace, q, k, whole=P is not None, period=P, window=window))
         dq, dk, dv = in_layout_of(dq, q), in_layout_of(dk, k), in_layout_of(dv, v)
     return dq, dk, dv, reduce_dbias(ds, attn_bias, q, need_dbias), dsinks
 
 
 @torch.library.register_fake("fuse_plugin::attention_sinks_backward", lib=_LIB)
 def _(dout, q, k, v, attn_bias, out, lse, sinks, dropout_p, is_causal, scale, dropout_seed, need_dbias,
-      replace=None):
+      replace=None, window=0):
+    check_window(window, is_causal)
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     return (layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype), dbias,
             sinks.new_empty(sinks.shape))
@@ -139,12 +146,12 @@ def _(dout, q, k, v, attn_bias, out, lse, sinks, dropout_p, is_causal, scale, dr
 
 class _SinksFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed, replace):
+    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed, replace, window):
         with torch._C._AutoDispatchBelowAutograd():
             out, lse = torch.ops.fuse_plugin.attention_sinks.default(
-                q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed, *_opt(replace))
+                q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed, *_opt(replace, window))
         ctx.save_for_backward(q, k, v, attn_bias, out, lse, sinks, dropout_seed, replace)
-        ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
+        ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.window = dropout_p, is_causal, scale, window
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -153,26 +160,30 @@ class _SinksFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, attn_bias, out, lse, sinks, dropout_seed, replace = ctx.saved_tensors
         if dout is None:
-            return (None,) * 10
+            return (None,) * 11
         need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dbias, dsinks = torch.ops.fuse_plugin.attention_sinks_backward.default(
             dout, q, k, v, attn_bias, out, lse, sinks, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed,
-            need_dbias, *_opt(replace))
-        return dq, dk, dv, (dbias if need_dbias else None), None, None, None, dsinks, None, None
+            need_dbias, *_opt(replace, ctx.window))
+        return dq, dk, dv, (dbias if need_dbias else None), None, None, None, dsinks, None, None, None
 
 
-def _opt(replace: Optional[Tensor]) -> tuple:
-    """The trailing replace argument, only when given (graphs without one keep the short call)."""
+def _opt(replace: Optional[Tensor], window: int = 0) -> tuple:
+    """The trailing replace and window arguments, only as far as one is given (graphs without them
+    keep the short call)."""
+    if window:
+        return (replace, window)
     return (replace,) if replace is not None else ()
 
 
 def _attention_sinks_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None,
-                              replace=None):
+                              replace=None, window=0):
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, attn_bias, sinks)):
-        return _SinksFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed, replace)
+        return _SinksFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed, replace,
+                                    window)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.fuse_plugin.attention_sinks.default(q, k, v, attn_bias, dropout_p, is_causal, scale,
-                                                             sinks, dropout_seed, *_opt(replace))
+                                                             sinks, dropout_seed, *_opt(replace, window))
 
 
 _dispatch.register_with_backward(_LIB, "attention_sinks", attention_sinks, _attention_sinks_autograd,

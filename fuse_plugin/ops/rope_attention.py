@@ -92,25 +92,30 @@ def _rope_attention(
     is_causal: bool,
     scale: float,
     dropout_seed: Optional[Tensor] = None,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor]:
     attention.check_dropout(dropout_p, dropout_seed, q)
+    attention.check_window(window, is_causal)
     _check(q, k, v, cos, sin, rotary_dim)
     if fused(q, v, cos, sin):
         bias = attention.bias_4d(attn_bias, q, k)
         return _kernels().attention_forward(
             q, k, v, bias, is_causal=is_causal, scale=scale, rope=_rope(cos, sin, interleaved, rotary_dim),
-            dropout_p=dropout_p, dropout_seed=dropout_seed,
+            dropout_p=dropout_p, dropout_seed=dropout_seed, window=window,
         )
     q_rot, k_rot = _rotated(q, k, cos, sin, interleaved, rotary_dim)
-    return attention.forward_impl(q_rot, k_rot, v, attn_bias, is_causal, scale, dropout_p, dropout_seed)
+    return attention.forward_impl(q_rot, k_rot, v, attn_bias, is_causal, scale, dropout_p, dropout_seed,
+                                  window=window)
 
 
 rope_attention = torch.library.custom_op("fuse_plugin::rope_attention", _rope_attention, mutates_args=())
 
 
 @rope_attention.register_fake
-def _(q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, dropout_p, is_causal, scale, dropout_seed=None):
+def _(q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, dropout_p, is_causal, scale, dropout_seed=None,
+      window=0):
     attention.check_dropout(dropout_p, dropout_seed, q)
+    attention.check_window(window, is_causal)
     _check(q, k, v, cos, sin, rotary_dim)
     b, hq, lq, _ = q.shape
     return attention.empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
@@ -134,6 +139,7 @@ def _rope_attention_backward(
     dropout_seed: Optional[Tensor],
     need_dbias: bool,
     need_dtables: bool,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """dq, dk (w.r.t. the un-rotated q, k), dv, dbias (empty unless need_dbias), dcos, dsin (empty
     unless need_dtables)."""
@@ -144,11 +150,13 @@ def _rope_attention_backward(
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
             rope=_rope(cos, sin, interleaved, rotary_dim), dropout_p=dropout_p, dropout_seed=dropout_seed,
+            window=window,
         )
         return dq, dk, dv, attention.reduce_dbias(ds, attn_bias, q, need_dbias), empty, empty.clone()
     q_rot, k_rot = _rotated(q, k, cos, sin, interleaved, rotary_dim)
     dq_rot, dk_rot, dv, dbias = attention.backward_impl(
-        dout, q_rot, k_rot, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed
+        dout, q_rot, k_rot, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed,
+        window=window,
     )
     dq, dk = rotary_ops._rotate_qk(dq_rot, dk_rot, cos, sin, interleaved, rotary_dim, True, q.dtype, k.dtype)
     dq, dk = in_layout_of(dq, q), in_layout_of(dk, k)  # laid out as the fake says
@@ -166,7 +174,7 @@ rope_attention_backward = torch.library.custom_op("fuse_plugin::rope_attention_b
 
 @rope_attention_backward.register_fake
 def _(dout, q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, out, lse, dropout_p, is_causal, scale,
-      dropout_seed, need_dbias, need_dtables):
+      dropout_seed, need_dbias, need_dtables, window=0):
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     dcos = cos.new_empty(cos.shape) if need_dtables else q.new_empty((0,))
     dsin = sin.new_empty(sin.shape) if need_dtables else q.new_empty((0,))
@@ -175,11 +183,11 @@ def _(dout, q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, out, lse, dro
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, dropout_p, is_causal, scale, dropout_seed = inputs
+    q, k, v, cos, sin, interleaved, rotary_dim, attn_bias, dropout_p, is_causal, scale, dropout_seed, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, cos, sin, attn_bias, out, lse, dropout_seed)
     ctx.interleaved, ctx.rotary_dim = interleaved, rotary_dim
-    ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
+    ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.window = dropout_p, is_causal, scale, window
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -187,12 +195,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, cos, sin, attn_bias, out, lse, dropout_seed = ctx.saved_tensors
     if dout is None:
-        return (None,) * 12
+        return (None,) * 13
     need_dbias = attn_bias is not None and ctx.needs_input_grad[7]
     need_dtables = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
     dq, dk, dv, dbias, dcos, dsin = rope_attention_backward(
         dout, q, k, v, cos, sin, ctx.interleaved, ctx.rotary_dim, attn_bias, out, lse, ctx.dropout_p,
-        ctx.is_causal, ctx.scale, dropout_seed, need_dbias, need_dtables,
+        ctx.is_causal, ctx.scale, dropout_seed, need_dbias, need_dtables, ctx.window,
     )
     return (
         dq, dk, dv,
@@ -200,7 +208,7 @@ def _backward(ctx, dout, _dlse):
         dsin if ctx.needs_input_grad[4] else None,
         None, None,
         dbias if need_dbias else None,
-        None, None, None, None,
+        None, None, None, None, None,
     )
 
 
