@@ -1,6 +1,7 @@
-"""Mask structure read from the graph (issue 31, first part): a sliding window's lower bound,
-proven from its index comparisons for every size, is named by `explain` (the kernels take no
-window yet: the mask stays in the bias, the rewrite and its numbers are unchanged)."""
+"""Mask structure read from the graph (issue 31): a sliding window's lower bound, chunks and
+documents, proven from their index comparisons for every size and named by `explain`. A window
+beside the causal mask becomes the op's `window` argument (tests/test_window.py); chunks and
+documents stay in the bias (the rewrite's numbers unchanged)."""
 import pytest
 import torch
 from torch import nn
@@ -55,7 +56,7 @@ def test_near_misses_name_no_window(keep):
     assert "sliding window" not in text
 
 
-def test_window_kept_in_the_bias_gives_eager_numbers():
+def test_window_gives_eager_numbers():
     model = Windowed(lambda i, j: (j <= i) & (j > i - 4))
     q, k, v = (torch.randn(2, 3, 12, 16, dtype=torch.float64) for _ in range(3))
     torch._dynamo.reset()
@@ -71,9 +72,10 @@ def test_hf_mistral_sliding_window_is_named():
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(cfg).eval()
     text = str(fuse_plugin.explain(model, torch.randint(0, 100, (2, 16))))
-    assert "fused (1 attention" in text and "sliding window 4 (proved" in text
-    # the (B, 1, L, L) mask the op is given without its batch broadcast, not a per-key vector
-    assert "additive mask, narrowed to (1, 1, 16, 16)" in text and "per key" not in text
+    assert "fused (3 site(s)" not in text and "fused (1 attention" in text
+    assert "sliding window 4 (proved" in text and "the kernels skip the key blocks it hides" in text
+    # HF's finfo.min causal band is all the mask: no bias is left for the op
+    assert "bias:" not in text
 
 
 @pytest.mark.parametrize("chunk", [lambda i, j: (i // 4) == (j // 4),

@@ -136,6 +136,7 @@ class AttentionSite:
     period: Optional[int] = None  # the bias is window-periodic over the batch (batch_views.carry_mask)
     cast: Optional[torch.dtype] = None  # q, k, v cast to it first: autocast ran both products in it
     sinks: Optional[fx.Node] = None  # the H sink logits of a softmax with a sink column (patterns/sinks.py)
+    window: int = 0  # a causal sliding window proven from the masks (the op's window; mask_structure.py)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -714,7 +715,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
         is_causal=masks.is_causal, causal_note=masks.causal_note, kv_groups=groups, softcap=sc.softcap,
         out_ops=o.out_ops, matched=matched, notes=masks.notes, dropout_p=ws.dropout_p,
         safe=call_of(softmax).name == "safe_softmax", carried=masks.carry.carried, period=masks.carry.period,
-        cast=o.cast, sinks=form.sinks if form is not None else None,
+        cast=o.cast, sinks=form.sinks if form is not None else None, window=masks.window,
     )
 
 
@@ -1094,6 +1095,7 @@ class _Masks:
     is_causal: bool
     causal_note: str
     notes: list
+    window: int
     carry: _Carry
 
 
@@ -1198,6 +1200,8 @@ def why_not_sdpa(site: AttentionSite) -> Optional[str]:
         return "a softcap"
     if site.sinks is not None:
         return "sinks"
+    if site.window:
+        return "a sliding window (SDPA takes one only as a dense mask, which our op skips)"
     if any(isinstance(p, MaskFill) and p.value != -math.inf for p in site.bias_parts):
         return "a finite fill (the op's replace mask)"
     values = [site.q.value(), site.k.value()]
@@ -1292,9 +1296,13 @@ def _op_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, replaced) -> fx
     extra = {"softcap": float(site.softcap)} if site.softcap else {}
     if replaced is not None:  # scores a finite fill replaced are the bias alone (attention_bias.py)
         extra["replace"] = replaced
+    if site.window:  # a causal sliding window: the kernels skip the key blocks it hides
+        extra["window"] = site.window
     if site.sinks is not None:  # match_attention took no softcap with sinks
         sinks = b.method("reshape", site.sinks, -1)
         rep = {"replace": replaced} if replaced is not None else {}
+        if site.window:
+            rep["window"] = site.window
         op = b.function(SINKS_OP, q, k, v, bias, site.dropout_p, site.is_causal, float(site.scale), sinks, *seed,
                         **rep)
     else:

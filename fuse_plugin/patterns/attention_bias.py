@@ -51,11 +51,12 @@ import torch
 from torch import fx
 
 from .canon import (broadcasts_to, call_of, device_of, dtype, example_value, fmt_shape, is_identity, known_equal,
-                    shape, written)
+                    known_true, shape, written)
 from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, causal_source, constant_number,
                           is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
 from .mask_structure import notes as structure_notes
+from .mask_structure import window_of
 from .writes import written_since
 
 dtype_of = dtype  # (build_bias has a `dtype` argument)
@@ -99,6 +100,8 @@ class ScoreMasks:
     scale_nodes: list
     raw: list
     split: list
+    lq: Any = None  # the query and key lengths (ints or SymInts)
+    lk: Any = None
 
 
 def read_masks(ops: list, scores_shape, lq, lk) -> Union[ScoreMasks, str]:
@@ -147,7 +150,7 @@ def read_masks(ops: list, scores_shape, lq, lk) -> Union[ScoreMasks, str]:
             parts = _bool_mask_parts(mask, masked_when, value, lq, lk, memo)
             raw.append(MaskFill(mask, masked_when, value))
             split.extend(parts)
-    return ScoreMasks(scale, scale_nodes, raw, split)
+    return ScoreMasks(scale, scale_nodes, raw, split, lq, lk)
 
 
 def _bool_mask_parts(mask: Any, masked_when: bool, value: float, lq, lk, memo) -> list:
@@ -209,9 +212,9 @@ def _finite_fill(p: MaskPart) -> bool:
     return isinstance(p, MaskFill) and p.value != -math.inf
 
 
-def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list], str]:
-    """(the parts left for the bias, is_causal, how the causal mask was found, notes), or why the
-    chain is refused.
+def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list, int], str]:
+    """(the parts left for the bias, is_causal, how the causal mask was found, notes, window), or
+    why the chain is refused.
 
     A causal part becomes is_causal (the op's -inf causal masking, applied after the bias) only
     where that keeps eager's value of every score it hides:
@@ -223,19 +226,52 @@ def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list], str]:
         over those hidden keys too). (With a finite fill only before it, is_causal after the
         replace mask would be exact too; not taken: the causal mask then stays in the bias.)
     Otherwise the causal mask stays in the bias with its own value (still fused, not is_causal;
-    its positions are then among the replace mask's where it is a fill, `replace_mask`)."""
+    its positions are then among the replace mask's where it is a fill, `replace_mask`).
+
+    A sliding window beside it (mask_structure.window_of: the part hides exactly the keys
+    j <= i - W) becomes the op's ``window`` by the same argument: where the causal part and the window are the only masks and Lq <= Lk, every
+    row keeps its own key i, so no row is masked everywhere and their fill values (finfo.min
+    in HF's builders) change nothing; where both fill -inf beside other parts without a finite
+    fill, the hidden scores stay -inf whatever comes after. Either way the kernels then skip the
+    key blocks the window hides instead of reading them from a bias."""
     causal = [p for p in m.split if isinstance(p, CausalPart)]
     rest = [p for p in m.split if not isinstance(p, CausalPart)]
-    parts, is_causal, source, notes = m.raw, False, "", []
+    parts, is_causal, source, notes, window = m.raw, False, "", [], 0
+    memo: dict = {}
+    windows = [(p, window_of(p, memo)) for p in rest] if causal else []
+    windows = [(p, w) for p, w in windows if w is not None]
     if causal and not rest:
         parts, is_causal, source = [], True, causal[0].source
     elif causal and all(p.value == -math.inf for p in causal) and not any(_finite_fill(p) for p in rest):
         parts, is_causal, source = rest, True, causal[0].source
+        if len(windows) == 1 and windows[0][0].value == -math.inf:
+            window = windows[0][1]
+            parts = [p for p in rest if p is not windows[0][0]]
+    elif causal and len(rest) == 1 and len(windows) == 1 and _rows_keep_own_key(m.lq, m.lk):
+        parts, is_causal, source, window = [], True, causal[0].source, windows[0][1]
     elif causal:
         notes.append(f"causal mask ({causal[0].source}) kept in the bias with its own values: "
                      "is_causal's -inf masking would change rows masked everywhere")
-    notes += structure_notes(rest)
-    return parts, is_causal, source, notes
+    if window:
+        part = windows[0][0]
+        notes.append(f"sliding window {window} (proved: query i sees keys from i-{window - 1}; "
+                     f"{causal_source(part.mask)}): the kernels skip the key blocks it hides")
+        notes += structure_notes([p for p in rest if p is not part])
+    else:
+        notes += structure_notes(rest)
+    return parts, is_causal, source, notes, window
+
+
+def _rows_keep_own_key(lq, lk) -> bool:
+    """Lq <= Lk for every size: with top-left causal masking every query row i keeps key i."""
+    if lq is None or lk is None:
+        return False
+    if known_equal(lq, lk):
+        return True
+    try:
+        return known_true(lq <= lk)
+    except Exception:  # noqa: BLE001
+        return False
 
 
 # --------------------------------------------------------------------------- building the bias

@@ -8,8 +8,10 @@ is, for every size, or None:
     documents_of  keeps exactly doc[..., i] == doc[..., j] for an integer tensor doc (sequences
                   packed in one row, each attending to itself: torchtitan, TRL packing)
 
-`notes(parts)` names every one found, for explain. No kernel takes a structure yet: the parts
-still reach the op as its bias, so naming changes nothing the op computes.
+A window beside a causal mask becomes the op's ``window`` argument (attention_bias.causal_or_bias,
+where that keeps eager's values); the kernels then skip the key blocks it hides. `notes(parts)`
+names every structure left among the bias's parts, for explain: chunks and documents always
+(no kernel takes them yet), a window where it could not become the op's argument.
 """
 from __future__ import annotations
 
@@ -164,7 +166,7 @@ def documents_of(p, memo: dict) -> Optional[fx.Node]:
 
 
 def notes(parts: list) -> list[str]:
-    """explain's words for every structure among the mask parts (kept in the bias today)."""
+    """explain's words for every structure among the mask parts left for the bias."""
     memo: dict = {}
     found = []
     for p in parts:
@@ -179,4 +181,5 @@ def notes(parts: list) -> list[str]:
         doc = documents_of(p, memo)
         if doc is not None:
             found.append(f"documents (ids from {doc.name}: query i sees keys j with doc[j] == doc[i])")
-    return [f"{what}, kept in the bias: the kernels take no structure yet" for what in found]
+    return [f"{what}, kept in the bias" + ("" if what.startswith("sliding") else ": the kernels take no "
+                                          "chunks or documents yet") for what in found]

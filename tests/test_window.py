@@ -1,0 +1,330 @@
+"""Sliding windows (issue 31): the op's ``window`` (with is_causal, query i sees keys i - W + 1 .. i),
+the general kernels that skip the key blocks it hides, and the rewrite that passes a proven window
+instead of a bias.
+
+Kernels on the CPU run in Triton's interpreter (tiny shapes, fp32, against a float64 band-mask
+reference); the rewrite's tests run the op's CPU reference. Timings are in benchmarks/window.py."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fuse_plugin
+from fuse_plugin.kernels import registry
+from fuse_plugin.kernels.attention import AttentionConfig, attention_backward, attention_forward
+from fuse_plugin.kernels.call import AttentionCall, window_area
+from helpers import DEVICE, check_close, needs_interpreter, rewrite_aot_eager
+
+ATTENTION = torch.ops.fuse_plugin.attention.default
+
+
+def band(lq: int, lk: int, window: int) -> torch.Tensor:
+    """(Lq, Lk) keep mask: i - window < j <= i."""
+    i = torch.arange(lq)[:, None]
+    j = torch.arange(lk)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+def reference(q, k, v, window, bias=None):
+    """float64 attention with the band as a -inf mask (GQA by repeating k/v); rows that see no key
+    give 0 (the op gives NaN there, like eager; compared on the live rows)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = q.double() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if bias is not None:
+        s = s + bias.double()
+    s = s.masked_fill(~band(q.shape[2], k.shape[2], window), float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+# ------------------------------------------------------------------------------------ kernels
+
+
+CASES = [  # (Lq, Lk, window, Hq, Hkv, config of the general family or None: its own tiles)
+    (37, 37, 5, 2, 1, None),  # a short window: the blocks past it are skipped
+    (70, 70, 16, 2, 2, AttentionConfig(16, 32, 4, 1)),  # block_n > block_m: edge blocks both sides
+    (129, 129, 40, 4, 2, AttentionConfig(32, 16, 4, 1)),  # GQA, a partial last block
+    (100, 100, 1, 2, 1, AttentionConfig(16, 32, 4, 1)),  # each query sees itself alone
+    (64, 64, 200, 2, 1, None),  # a window past the length: plain causal
+    (50, 30, 7, 2, 1, AttentionConfig(16, 32, 4, 1)),  # Lq > Lk: the last rows see no key (NaN, as eager)
+    (30, 50, 7, 2, 1, None),  # Lq < Lk
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("family", ["general", "two_kernel"])
+@pytest.mark.parametrize("lq, lk, window, hq, hkv, cfg", CASES)
+def test_kernels_match_the_band_reference(family, lq, lk, window, hq, hkv, cfg):
+    torch.manual_seed(lq + window)
+    q = torch.randn(1, hq, lq, 16, device=DEVICE)
+    k, v = (torch.randn(1, hkv, lk, 16, device=DEVICE) for _ in range(2))
+    bias = torch.randn(1, hq, lq, lk, device=DEVICE) if lq == 129 else None  # float bias + its gradient
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    if bias is not None:
+        bias.requires_grad_()
+    want = reference(q, k, v, window, bias)
+    cfg = cfg if family == "general" else None
+    b4 = None if bias is None else bias.expand(1, hq, lq, lk)
+    with registry.forced(family):
+        out, lse = attention_forward(q, k, v, b4, is_causal=True, scale=16 ** -0.5, window=window, config=cfg)
+        dout = torch.randn_like(out)
+        dq, dk, dv, dbias = attention_backward(dout, q, k, v, b4, out, lse, is_causal=True, scale=16 ** -0.5,
+                                               need_dbias=bias is not None, window=window, config=cfg,
+                                               deterministic=family == "two_kernel")
+    live = band(lq, lk, window).any(-1)  # rows that see a key
+    assert torch.isnan(out[:, :, ~live]).all() and torch.isneginf(lse[:, :, ~live]).all()
+    check_close("out", out[:, :, live], want[:, :, live], 1e-5)
+    grads = torch.autograd.grad(want, [q, k, v] + ([bias] if bias is not None else []), dout.double())
+    check_close("dq", dq, grads[0], 1e-5)
+    check_close("dk", dk, grads[1], 1e-5)
+    check_close("dv", dv, grads[2], 1e-5)
+    if bias is not None:
+        check_close("dbias", dbias.sum_to_size(bias.shape), grads[3], 1e-5)
+
+
+def test_other_families_say_why_not():
+    q = torch.randn(1, 2, 64, 64, device="meta")
+    call = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.125, window=16)
+    reasons = registry.reasons(call)
+    assert reasons["general"] is None
+    for name in ("cudnn", "decode", "small", "gluon", "tma"):
+        assert reasons[name] == "it takes no sliding window (the general kernels do)", name
+    with registry.forced("cudnn"), pytest.raises(registry.FamilyError, match="no sliding window"):
+        registry.choose(call)
+    assert "window 16" in call.describe()
+
+
+def test_window_area_and_flops():
+    assert window_area(5, 5, 2) == int(band(5, 5, 2).sum())
+    assert window_area(50, 30, 7) == int(band(50, 30, 7).sum())
+    q = torch.randn(1, 1, 8, 16, device="meta")
+    call = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.25, window=3)
+    assert call.flops() == pytest.approx(4.0 * 8 * 8 * 16 * int(band(8, 8, 3).sum()) / 64)
+
+
+# ------------------------------------------------------------------------------------ the op
+
+
+def test_op_window_matches_sdpa_with_the_band_mask():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out, _ = ATTENTION(q, k, v, None, 0.0, True, 0.25, None, 0.0, None, 8)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=band(40, 40, 8), scale=0.25)
+    torch.testing.assert_close(out, want)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    exp = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(got, exp):
+        torch.testing.assert_close(a, b)
+    torch.library.opcheck(ATTENTION, (q, k, v, None, 0.0, True, 0.25, None, 0.0, None, 8))
+
+
+@pytest.mark.parametrize("window, causal, match", [
+    (8, False, "needs is_causal=True"),
+    (-1, True, "window must be an int >= 0"),
+])
+def test_op_window_errors(window, causal, match):
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match=match):
+        ATTENTION(q, q, q, None, 0.0, causal, 0.25, None, 0.0, None, window)
+
+
+# ------------------------------------------------------------------------------------ the rewrite
+
+
+class Banded(nn.Module):
+    """Hand-written attention with a band mask from aranges; ``additive``: HF's form (a float mask,
+    where(keep, 0, finfo.min), added to the scores), else a -inf masked_fill; ``pad``: a key-padding
+    bool mask beside it."""
+
+    def __init__(self, keep, additive=False, pad=False):
+        super().__init__()
+        self.keep, self.additive, self.pad = keep, additive, pad
+
+    def forward(self, q, k, v, pad_keep=None):
+        lq, lk = q.shape[-2], k.shape[-2]
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lk)[None, :]
+        keep = self.keep(i, j)
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if self.additive:
+            s = s + torch.where(keep, torch.tensor(0.0, dtype=q.dtype), torch.finfo(q.dtype).min)
+        else:
+            s = s.masked_fill(~keep, float("-inf"))
+        if pad_keep is not None:
+            s = s.masked_fill(~pad_keep[:, None, None, :], float("-inf"))
+        return s.softmax(-1) @ v
+
+
+def _rewritten(model, *args):
+    """The op calls of the rewritten graph, and the model's output through it (AOTAutograd and
+    the op's autograd on the CPU reference: gradients flow)."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        compiled = rewrite_aot_eager(gm, example_inputs)  # (rewrites gm in place first)
+        calls.extend(n for n in gm.graph.nodes if n.target is ATTENTION)
+        return compiled
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend, fullgraph=True)(*args)
+    return calls, out
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_causal_band_becomes_the_window_argument(additive):
+    model = Banded(lambda i, j: (j <= i) & (j > i - 4), additive=additive)
+    q, k, v = (torch.randn(2, 3, 12, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    calls, out = _rewritten(model, q, k, v)
+    assert len(calls) == 1 and calls[0].kwargs.get("window") == 4
+    assert calls[0].args[3] is None and calls[0].args[5] is True  # no bias left, is_causal
+    want = model(q, k, v)
+    torch.testing.assert_close(out, want)
+    got = torch.autograd.grad(out.sum(), (q, k, v))
+    exp = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(got, exp):
+        torch.testing.assert_close(a, b)
+
+
+def test_window_beside_a_padding_mask():
+    """-inf fills: the window becomes the argument, the padding stays the bias."""
+    model = Banded(lambda i, j: (j <= i) & (j > i - 3))
+    q, k, v = (torch.randn(2, 2, 10, 16, dtype=torch.float64) for _ in range(3))
+    pad = torch.ones(2, 10, dtype=torch.bool)
+    pad[1, 7:] = False
+    calls, out = _rewritten(model, q, k, v, pad)
+    assert len(calls) == 1 and calls[0].kwargs.get("window") == 3 and calls[0].args[3] is not None
+    torch.testing.assert_close(out, model(q, k, v, pad), equal_nan=True)
+
+
+@pytest.mark.parametrize("keep, additive, why", [
+    (lambda i, j: j > i - 4, False, "no causal part: a look-back bound alone"),
+    (lambda i, j: (j <= i) & (j > 2 * i - 4), False, "not a band"),
+    (lambda i, j: (j <= i) & (j > 3), False, "a fixed key range"),
+])
+def test_near_misses_pass_no_window(keep, additive, why):
+    model = Banded(keep, additive=additive)
+    q, k, v = (torch.randn(1, 2, 12, 16, dtype=torch.float64) for _ in range(3))
+    calls, out = _rewritten(model, q, k, v)
+    assert len(calls) == 1 and "window" not in calls[0].kwargs, why
+    torch.testing.assert_close(out, model(q, k, v), equal_nan=True)
+
+
+def test_finite_band_with_more_queries_than_keys_stays_in_the_bias():
+    """HF's finfo.min band over Lq > Lk: the last rows see no key, and eager spreads them uniformly
+    over the fill values, which the op's -inf window would not: the mask stays the bias."""
+    model = Banded(lambda i, j: (j <= i) & (j > i - 3), additive=True)
+    q = torch.randn(1, 2, 12, 16, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 6, 16, dtype=torch.float64) for _ in range(2))
+    calls, out = _rewritten(model, q, k, v)
+    assert len(calls) == 1 and "window" not in calls[0].kwargs
+    torch.testing.assert_close(out, model(q, k, v))
+
+
+def test_explain_names_the_window():
+    model = Banded(lambda i, j: (j <= i) & (j > i - 4))
+    q, k, v = (torch.randn(2, 3, 12, 16) for _ in range(3))
+    text = str(fuse_plugin.explain(model, q, k, v))
+    assert "sliding window 4 (proved: query i sees keys from i-3; arange comparison): the kernels skip" in text
+
+
+def test_windowed_backward_runs_unpipelined():
+    """The atomic backward with a window hung the GPU with 2 pipeline stages (H200, Triton 3.6):
+    its tiles are taken with one stage; the forward keeps its own."""
+    q = torch.randn(1, 4, 2048, 128, device="meta", dtype=torch.bfloat16)
+    lse = torch.empty(1, 4, 2048, device="meta")
+    fwd = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.088, window=512)
+    bwd = AttentionCall.backward(q, q, q, q, None, q, lse, is_causal=True, scale=0.088, need_dbias=False,
+                                 window=512)
+    plain = AttentionCall.backward(q, q, q, q, None, q, lse, is_causal=True, scale=0.088, need_dbias=False)
+    general = registry.FAMILIES["bwd"]["general"]
+    assert general.config(bwd).num_stages == 1
+    assert general.config(bwd)._replace(num_stages=1) == general.config(plain)._replace(num_stages=1)
+    assert registry.FAMILIES["fwd"]["general"].config(fwd) == registry.FAMILIES["fwd"]["general"].config(
+        AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.088))
+
+
+def test_the_choice_takes_a_window_that_hides_keys(monkeypatch):
+    """A windowed site goes to our op by the measured window rule (patterns/choice.py) where the
+    window is shorter than the keys; where it hides nothing the causal class decides as usual."""
+    from fuse_plugin.patterns import choice
+
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "auto")
+    seen = []
+    real = choice.decide
+
+    def decide(site):
+        seen.append((site, real(site)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(choice, "decide", decide)
+    for L in (12, 3):
+        model = Banded(lambda i, j: (j <= i) & (j > i - 4))
+        _rewritten(model, *(torch.randn(1, 2, L, 16) for _ in range(3)))
+    (long, decision), (short, _) = seen
+    assert long.window == 4 and short.window == 4
+    assert decision.ours and "a sliding window of 4 over 12 keys" in decision.reason
+    assert choice._window_rule(short) is None
+
+
+# ------------------------------------------------------------------------------------ sinks
+
+
+SINKS = torch.ops.fuse_plugin.attention_sinks.default
+
+
+class BandedSinks(nn.Module):
+    """gpt-oss's eager attention (the sink column concatenated, softmax, dropped) on a sliding
+    layer: HF's finfo.min band added to the scores."""
+
+    def forward(self, q, k, v, sinks, window=4):
+        lq = q.shape[-2]
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lq)[None, :]
+        keep = (j <= i) & (j > i - window)
+        s = q @ k.transpose(2, 3) * 0.25 + torch.where(keep, torch.tensor(0.0, dtype=q.dtype),
+                                                         torch.finfo(q.dtype).min)
+        col = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, lq, -1)
+        c = torch.cat([s, col], dim=-1)
+        c = c - c.max(dim=-1, keepdim=True).values
+        return torch.softmax(c, dim=-1)[..., :-1] @ v
+
+
+def test_sinks_with_a_window_become_one_op():
+    model = BandedSinks()
+    q, k, v = (torch.randn(2, 4, 11, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    calls = []
+
+    def backend(gm, example_inputs):
+        compiled = rewrite_aot_eager(gm, example_inputs)
+        calls.extend(n for n in gm.graph.nodes if n.target is SINKS)
+        return compiled
+
+    torch._dynamo.reset()
+    got = torch.compile(model, backend=backend, fullgraph=True)(q, k, v, sinks)
+    assert len(calls) == 1 and calls[0].kwargs.get("window") == 4 and calls[0].args[3] is None
+    want = model(q, k, v, sinks)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v, sinks)), torch.autograd.grad(want.sum(), (q, k, v, sinks))):
+        torch.testing.assert_close(a, b)
+
+
+@needs_interpreter
+def test_sinks_window_on_the_kernels():
+    """The sinks op with a window on the general kernels (the merge after them) against the
+    reference's softmax with the sink column."""
+    from fuse_plugin.ops._dispatch import cpu_kernels
+
+    torch.manual_seed(3)
+    q = torch.randn(1, 4, 70, 16, device=DEVICE, requires_grad=True)
+    k, v = (torch.randn(1, 2, 70, 16, device=DEVICE, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, device=DEVICE, requires_grad=True)
+    args = (None, 0.0, True, 0.25, sinks, None, None, 9)
+    outs = {}
+    for how in ("triton", "reference"):
+        with cpu_kernels(how):
+            out, _ = SINKS(q, k, v, *args)
+            outs[how] = (out,) + torch.autograd.grad(out, (q, k, v, sinks), torch.ones_like(out))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), outs["triton"], outs["reference"]):
+        check_close(name, a, b, 1e-5)
