@@ -8,7 +8,11 @@ steps after warm-up/compile) and peak memory (max allocated during the timed tra
   compile          attn_implementation="eager" + stock torch.compile (our automatic patch disabled)
   sdpa+compile     attn_implementation="sdpa"  + torch.compile
   fuse_plugin      attn_implementation="eager" + torch.compile(backend="fuse_plugin")
+  plugin-sdpa      attn_implementation="sdpa"  + torch.compile(backend="fuse_plugin") (HF's default
+                   attention, its SDPA call sites rewritten where the choice takes them)
 Model: 12 layers, hidden 1024, 16 heads, 4 kv heads, intermediate 4096, vocab 32000 (~250M params).
+With --sliding-window W the same dims as a Mistral config (Llama with HF's `sliding_window`: query i
+sees keys i-W+1..i; HF's sdpa path passes the band as a dense mask).
 """
 from __future__ import annotations
 
@@ -25,23 +29,30 @@ import torch.nn.functional as F
 import fuse_plugin
 
 VARIANTS = ("eager", "compile", "sdpa+compile", "fuse_plugin")
+SLIDING_WINDOW = 0  # --sliding-window
+INFER = True  # --no-infer: training only
+
+
+class _NotRun(Exception):
+    pass
 
 
 def build(attn: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=16384)
+    dims = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12,
+                num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768)
+    cfg = MistralConfig(**dims, sliding_window=SLIDING_WINDOW, head_dim=64) if SLIDING_WINDOW else LlamaConfig(**dims)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn, dtype=torch.bfloat16)
     return model.cuda()
 
 
 def prepare(variant: str):
-    model = build("sdpa" if variant == "sdpa+compile" else "eager")
+    model = build("sdpa" if variant in ("sdpa+compile", "plugin-sdpa") else "eager")
     if variant == "eager":
         return model, model
-    if variant == "fuse_plugin":
+    if variant in ("fuse_plugin", "plugin-sdpa"):
         return model, torch.compile(model, backend="fuse_plugin")
     return model, torch.compile(model)  # stock inductor; callers keep fuse_plugin.disabled() around compiles
 
@@ -92,6 +103,8 @@ def measure(variant, ids, steps):
         gc.collect()
         torch.cuda.empty_cache()
         try:
+            if not INFER:
+                raise _NotRun
             with torch.no_grad():
                 for _ in range(2):
                     fn(input_ids=ids)
@@ -99,6 +112,8 @@ def measure(variant, ids, steps):
             res["infer_tok_s"] = tokens / s
         except torch.OutOfMemoryError:
             res["infer_tok_s"] = None
+        except _NotRun:
+            res["infer_tok_s"] = "not run"
     del model, fn
     gc.collect()
     torch.cuda.empty_cache()
@@ -116,18 +131,23 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sliding-window", type=int, default=0, help="a Mistral config with this window")
+    parser.add_argument("--no-infer", action="store_true", help="time training only")
     args = parser.parse_args()
+    global SLIDING_WINDOW, INFER
+    SLIDING_WINDOW, INFER = args.sliding_window, not args.no_infer
     ids = torch.randint(0, 32000, (args.batch, args.seq), device="cuda")
     lines = [
         f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__} | "
-        f"{time.strftime('%Y-%m-%d')} | seq {args.seq} batch {args.batch} | bf16, fused AdamW, median of {args.steps} steps",
+        f"{time.strftime('%Y-%m-%d')} | seq {args.seq} batch {args.batch}"
+        + (f" | Mistral config, sliding_window {SLIDING_WINDOW}" if SLIDING_WINDOW else "") + f" | bf16, fused AdamW, median of {args.steps} steps",
         "",
         "| variant | train tokens/s | inference tokens/s | train peak GB | warm-up (compile) s |",
         "|---|---|---|---|---|",
     ]
     for v in args.variants.split(","):
         r = measure(v, ids, args.steps)
-        fmt = lambda x, f: "OOM" if x is None else f.format(x)  # noqa: E731
+        fmt = lambda x, f: "OOM" if x is None else x if isinstance(x, str) else f.format(x)  # noqa: E731
         lines.append(f"| {v} | {fmt(r.get('train_tok_s'), '{:.0f}')} | {fmt(r.get('infer_tok_s'), '{:.0f}')} | "
                      f"{fmt(r.get('train_peak_gb'), '{:.1f}')} | {r.get('warmup_s', float('nan')):.0f} |")
         print(lines[-1], f"(params {r['params_m']:.0f}M)", flush=True)

@@ -48,13 +48,14 @@ def test_the_figures_agree_with_the_recorded_ratios(data):
         key = (g["model"], g["prompt"], g["batch"], g["mode"])
         assert abs(g["plugin_over_best"] - recorded[key + ("plugin",)]["recorded_plugin_over_best_stock"]) <= 0.0051
         assert abs(g["floor_over_best"] - recorded[key + ("floor",)]["recorded_floor_over_best_stock"]) <= 0.0051
+    assert abs(current.window_ratio(data) - data["window"]["e2e"]["recorded_ratio"]) <= 0.0051
     for r in data["kernels"]["rotary"]["rows"]:
         assert abs(r["ours"] / r["compiled"] - r["ours_over_compiled"]) <= 0.0051, r
         assert abs(r["ours"] / r["copy"] - r["ours_over_copy"]) <= 0.0051, r
 
 
 def test_every_entry_has_its_provenance(data):
-    entries = [*data["kernels"].values()] + [data[k] for k in ("shapes", "e2e", "generate", "distributed")]
+    entries = [*data["kernels"].values()] + [data[k] for k in ("shapes", "e2e", "window", "generate", "distributed")]
     for e in entries:
         p = e["provenance"]
         for field in ("stop", "date", "gpu", "torch", "triton", "command", "source"):
