@@ -10,7 +10,7 @@ FILES="tests/test_attention_cudnn.py tests/test_attention_decode.py tests/test_a
  tests/test_attention_sinks.py tests/test_attention_small.py tests/test_compiled_gpu.py tests/test_dropout.py
  tests/test_inductor_launch.py tests/test_ops.py tests/test_registry.py tests/test_replace_mask.py
  tests/test_rope_attention.py tests/test_rotary_kernel.py tests/test_sdpa_candidate.py tests/test_softcap.py
- tests/test_tune_choices.py tests/test_tuning_table.py tests/test_results_current.py"
+ tests/test_tune_choices.py tests/test_tuning_table.py tests/test_results_current.py tests/test_window.py"
 if [ "${TESTS:-1}" != 0 ]; then
   start=$(date +%s)
   timeout ${TEST_LIMIT:-540} python3 -m pytest -q -n ${WORKERS:-12} --timeout 300 -p no:cacheprovider \
@@ -29,7 +29,7 @@ run_check() {  # name, command...
 }
 # gpu_check one section per process (its compiles in parallel), the check scripts beside them
 i=0
-for s in opcheck attention rotary rope dropout dropout_stats; do
+for s in opcheck attention window rotary rope dropout dropout_stats; do
   ( run_check gpu_check_$s python3 benchmarks/gpu_check.py --section $s > "$OUT/c$i.txt" ) &
   i=$((i + 1))
 done

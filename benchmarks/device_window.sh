@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# One device call (one H100 or H200, < 10 min; window.py itself aims at < 4): issue 31's
-# sliding-window Musts.
+# One device call (one H100 or H200, < 10 min): issue 31's sliding-window Musts.
 #   bash benchmarks/device_window.sh            (from the repo root; $OUT: where results go)
-# window.py checks the windowed op against a float64 band-masked reference, then times forward and
-# backward of causal (registry's family, and general forced), window 4096, SDPA with the band mask
-# and SDPA causal at 16k and 32k tokens (MHA 16 heads, GQA 32/8). Writes $OUT/window.{json,md,log};
-# prints the check lines and any errors, then the table and the Must lines last.
+# 1. window_hang.py (HANG=0 skips): which tiles hang the windowed atomic backward, one process per
+#    case with a timeout (NOTES.md attempt 36), so a hang costs 25 s, not the call;
+# 2. window.py: the windowed op against a float64 band-masked reference, then forward and backward
+#    of causal (registry's family, and general forced), window 4096, SDPA with the band mask and
+#    SDPA causal at 16k and 32k tokens (MHA 16 heads, GQA 32/8): $OUT/window.{json,md,log};
+# 3. e2e.py --sliding-window 4096 at 1x16384 (E2E=0 skips): HF's sdpa path compiled against the
+#    plugin on it and on eager attention, training and inference: $OUT/e2e_window.md.
+# Prints the hang lines, the check lines and any errors, then the tables last.
 source "$(dirname "$0")/device_setup.sh"
+if [ "${HANG:-1}" != 0 ]; then
+  timeout 240 python3 benchmarks/window_hang.py > "$OUT/window_hang.log" 2>&1
+  cat "$OUT/window_hang.log" | cut -c1-200
+fi
 start=$(date +%s)
-timeout 500 python3 benchmarks/window.py --json "$OUT/window.json" --out "$OUT/window.md" > "$OUT/window.log" 2>&1
+timeout ${WINDOW_LIMIT:-300} python3 benchmarks/window.py --json "$OUT/window.json" --out "$OUT/window.md" > "$OUT/window.log" 2>&1
 echo "window.py rc=$? in $(( $(date +%s) - start )) s"
+if [ "${E2E:-1}" != 0 ]; then
+  ( cd benchmarks && timeout ${E2E_LIMIT:-300} python3 e2e.py --seq 16384 --batch 1 --sliding-window 4096 \
+      --variants sdpa+compile,plugin-sdpa,fuse_plugin --steps 5 --out "$OUT/e2e_window.md" > "$OUT/e2e_window.log" 2>&1 )
+  echo "e2e rc=$?"
+fi
 if [ -s "$OUT/window.md" ]; then
   grep -E "^check|Error|Traceback|skipped" "$OUT/window.log" | cut -c1-300 | head -12
   cat "$OUT/window.md"
 else  # it stopped before the table: the log's end says why
   tail -40 "$OUT/window.log" | cut -c1-300
 fi
+[ -s "$OUT/e2e_window.md" ] && cat "$OUT/e2e_window.md" || tail -5 "$OUT/e2e_window.log" 2>/dev/null

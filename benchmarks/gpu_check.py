@@ -101,13 +101,59 @@ def check_attention(dtype, case):
     grads = torch.autograd.grad(out, leaves, dout)
     ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
     rbias = ref_leaves[3] if len(ref_leaves) > 3 else (bias if bias is None or bias.dtype == torch.bool else bias.double())
-    ref = ref_attention(*ref_leaves[:3], rbias, causal, scale)
+    return compared(out, grads, ref_attention(*ref_leaves[:3], rbias, causal, scale), ref_leaves, dout)
+
+
+def compared(out, grads, ref, ref_leaves, dout):
+    """({out, dq, dk, dv[, dbias]: rel err}, any NaN): the op's output and gradients against the
+    float64 reference's (its gradients taken here, w.r.t. ``ref_leaves``, for the same dout)."""
     ref_grads = torch.autograd.grad(ref, ref_leaves, dout.double())
     errs = {"out": rel(out, ref)}
     for name, g, rg in zip(["dq", "dk", "dv", "dbias"], grads, ref_grads):
         errs[name] = rel(g, rg)
     nan = any(torch.isnan(t).any().item() for t in (out, *grads))
     return errs, nan
+
+
+WINDOW_CASES = [
+    # B, Hq, Hkv, L, D, window, bias, deterministic: the sliding window (issue 31) on the general
+    # kernels, through the op and its autograd; edge sizes (a window of 1, past the length)
+    (2, 4, 2, 17, 64, 5, None, False),
+    (1, 4, 4, 49, 32, 1, None, False),
+    (1, 8, 2, 1000, 128, 300, None, False),
+    (1, 8, 2, 1000, 128, 300, None, True),
+    (2, 4, 4, 513, 80, 700, None, False),
+    (1, 4, 4, 300, 96, 64, "float_grad", False),
+    (1, 4, 2, 777, 256, 129, None, False),
+    (1, 16, 4, 4096, 128, 1024, None, False),
+]
+
+
+def check_window(dtype, case):
+    b, hq, hkv, L, d, w, bias_kind, deterministic = case
+    dev = "cuda"
+    q = torch.randn(b, hq, L, d, device=dev, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, L, hkv, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+    v = torch.randn(b, L, hkv, d, device=dev, dtype=dtype).transpose(1, 2).requires_grad_()
+    bias = torch.randn(1, hq, L, L, device=dev, dtype=dtype, requires_grad=True) if bias_kind else None
+    scale = d**-0.5
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        poison_allocator()
+        out, _ = OPS.attention(q, k, v, bias, 0.0, True, scale, None, 0.0, None, w)
+        dout = torch.randn_like(out)
+        leaves = [q, k, v] + ([bias] if bias is not None else [])
+        poison_allocator()
+        grads = torch.autograd.grad(out, leaves, dout)
+    finally:
+        torch.use_deterministic_algorithms(old)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    i = torch.arange(L, device=dev)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - w)
+    rb = ref_leaves[3] if bias is not None else 0.0
+    rb = torch.where(band, rb, float("-inf")) if bias is not None else torch.where(band, 0.0, float("-inf")).double()
+    return compared(out, grads, ref_attention(*ref_leaves[:3], rb, False, scale), ref_leaves, dout)
 
 
 DROPOUT_CASES = [
@@ -360,6 +406,9 @@ PARITY = {
     "rope": ("rope_attention (rotation in the attention kernels) parity vs float64:",
              "B Hq Hkv L D rd interleaved width causal bias deterministic", 62, ROPE_ATTENTION_CASES,
              check_rope_attention, ("out", "dq", "dk", "dv")),
+    "window": ("sliding window (the op's window) vs float64 with the band as a mask:",
+               "B Hq Hkv L D window bias deterministic", 40, WINDOW_CASES, check_window,
+               ("out", "dq", "dk", "dv", "dbias")),
     "dropout": ("attention with dropout vs float64 reference drawing the same mask (same seed):",
                 "B Hq Hkv Lq Lk D causal bias p deterministic", 44, DROPOUT_CASES, check_dropout,
                 ("out", "dq", "dk", "dv", "dbias")),

@@ -14,15 +14,18 @@ import fuse_plugin
 from fuse_plugin.kernels import registry
 from fuse_plugin.kernels.attention import AttentionConfig, attention_backward, attention_forward
 from fuse_plugin.kernels.call import AttentionCall, window_area
-from helpers import DEVICE, check_close, needs_interpreter, rewrite_aot_eager
+from helpers import DEVICE, INTERPRETER, check_close, needs_interpreter, rewrite_aot_eager
 
 ATTENTION = torch.ops.fuse_plugin.attention.default
+# the kernels run on a GPU, or on the CPU in Triton's interpreter (CI)
+kernels_here = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRETER, reason="the Triton kernels run on a GPU "
+                                  "or, on the CPU, in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py)")
 
 
-def band(lq: int, lk: int, window: int) -> torch.Tensor:
+def band(lq: int, lk: int, window: int, device="cpu") -> torch.Tensor:
     """(Lq, Lk) keep mask: i - window < j <= i."""
-    i = torch.arange(lq)[:, None]
-    j = torch.arange(lk)[None, :]
+    i = torch.arange(lq, device=device)[:, None]
+    j = torch.arange(lk, device=device)[None, :]
     return (j <= i) & (j > i - window)
 
 
@@ -34,7 +37,7 @@ def reference(q, k, v, window, bias=None):
     s = q.double() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
     if bias is not None:
         s = s + bias.double()
-    s = s.masked_fill(~band(q.shape[2], k.shape[2], window), float("-inf"))
+    s = s.masked_fill(~band(q.shape[2], k.shape[2], window, q.device), float("-inf"))
     return torch.softmax(s, -1).nan_to_num(0.0) @ v
 
 
@@ -52,7 +55,7 @@ CASES = [  # (Lq, Lk, window, Hq, Hkv, config of the general family or None: its
 ]
 
 
-@needs_interpreter
+@kernels_here
 @pytest.mark.parametrize("family", ["general", "two_kernel"])
 @pytest.mark.parametrize("lq, lk, window, hq, hkv, cfg", CASES)
 def test_kernels_match_the_band_reference(family, lq, lk, window, hq, hkv, cfg):
@@ -72,7 +75,7 @@ def test_kernels_match_the_band_reference(family, lq, lk, window, hq, hkv, cfg):
         dq, dk, dv, dbias = attention_backward(dout, q, k, v, b4, out, lse, is_causal=True, scale=16 ** -0.5,
                                                need_dbias=bias is not None, window=window, config=cfg,
                                                deterministic=family == "two_kernel")
-    live = band(lq, lk, window).any(-1)  # rows that see a key
+    live = band(lq, lk, window, out.device).any(-1)  # rows that see a key
     assert torch.isnan(out[:, :, ~live]).all() and torch.isneginf(lse[:, :, ~live]).all()
     check_close("out", out[:, :, live], want[:, :, live], 1e-5)
     grads = torch.autograd.grad(want, [q, k, v] + ([bias] if bias is not None else []), dout.double())
@@ -245,11 +248,16 @@ def test_windowed_backward_runs_unpipelined():
 
 
 def test_the_choice_takes_a_window_that_hides_keys(monkeypatch):
-    """A windowed site goes to our op by the measured window rule (patterns/choice.py) where the
-    window is shorter than the keys; where it hides nothing the causal class decides as usual."""
+    """A windowed site on the GPU (pretended here) goes to our op by the measured window rule
+    (patterns/choice.py) where the window is shorter than the keys; where it hides nothing the
+    causal class decides as usual."""
+    from fuse_plugin.kernels import choice_table
     from fuse_plugin.patterns import choice
 
     monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "auto")
+    real_class_of = choice.class_of
+    monkeypatch.setattr(choice, "class_of", lambda site: real_class_of(site)[:2] + (torch.device("cuda"),))
+    monkeypatch.setattr(choice_table, "lookup", lambda device, key: None)  # (nothing measured)
     seen = []
     real = choice.decide
 

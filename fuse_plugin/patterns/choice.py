@@ -157,10 +157,10 @@ _WINDOW_MEASURED = ("a sliding window of {w} over {l} keys: the kernels skip the
 
 
 def _window_rule(site) -> Optional[Decision]:
-    """Our op for a windowed site whose window hides keys (the window shorter than the keys)."""
+    """Our op for a windowed site on the GPU whose window hides keys (shorter than the keys)."""
     w = getattr(site, "window", 0)
-    if not w:
-        return None
+    if not w or class_of(site)[2].type != "cuda":
+        return None  # (off the GPU: the usual choice, as for any site)
     lk = _hint(site.k.value().shape[-2])
     if w >= lk:
         return None  # the window hides nothing here: the causal class's measurements decide
