@@ -1,0 +1,420 @@
+"""Ring attention: context parallelism over `fuse_plugin::attention` (issue 32, first part).
+
+    out, lse = ring_attention(q, k, v, is_causal=True, scale=None, group=None, load_balanced=True)
+
+computes, on every rank of `group`, that rank's rows of softmax(q·kᵀ·scale [causal]) · v over the
+WHOLE sequence, when each rank holds only its shard of the sequence of q, k and v:
+  q (B, Hq, Lq, D), k (B, Hkv, Lq, D), v (B, Hkv, Lq, Dv): the LOCAL shards, every rank with the
+  same shapes (Lq tokens each, the global sequence W·Lq for W ranks); Hq a multiple of Hkv (GQA:
+  k/v travel and are read with their Hkv heads, never repeated);
+  is_causal top-left aligned over the global positions (key j visible to query i iff j <= i), the
+  op's rule;
+  scale None for 1/sqrt(D);
+  group a ProcessGroup or a 1-D DeviceMesh (its group) of the context-parallel ranks; None: the
+  default group;
+  load_balanced (read only with is_causal) which tokens a rank holds, see Layout.
+Outputs: out (B, Hq, Lq, Dv) in q's dtype laid out (B, Lq, Hq, Dv) in memory (the op's layout:
+the head merge after it is a view), lse (B, Hq, Lq) float32 (natural log), the rank's rows of the
+full attention's. Differentiable in q, k and v (not lse); the backward is collective too: every rank
+of the group must run it. dq/dk/dv come back in q/k/v's memory order, as the op's.
+
+Layout (the same as PyTorch's context parallelism, torch.distributed.tensor.experimental:
+`context_parallel(...)` and `_context_parallel_shard` with its default `_HeadTailLoadBalancer`, so
+tensors sharded by either one are the other's shards too):
+  load_balanced (causal): the sequence cut into 2W chunks of c = Lq/2 tokens; rank r holds chunks
+    r and 2W-1-r, in that order (Lq must be even). Each rank then has one early and one late chunk,
+    the same number of visible causal pairs.
+  not load_balanced: rank r holds the contiguous tokens [r·Lq, (r+1)·Lq) (plain Shard on the
+    sequence dim). Causal work is then uneven: rank W-1 sees every key, rank 0 only its own.
+  Without is_causal every query sees every key, so any sharding works alike (q with k/v).
+`shard_sequence` / `unshard_sequence` cut and reassemble a full tensor in this order,
+`shard_positions` gives the global positions of a rank's tokens (for rotary tables),
+`load_balance_indices` the whole permutation (PyTorch's `_generate_indices()[0]`).
+
+The ring (forward): W steps. At step i rank r holds the k/v block of rank s = (r - i) mod W; it
+POSTS the send of that block to rank r+1 and the receive of the next from rank r-1
+(`batch_isend_irecv`) BEFORE computing on it, and waits only after, so the transfer of block i+1
+overlaps the attention on block i. Each (query chunk, key chunk) pair is classified by the chunks'
+global order under the causal mask: full (key chunk earlier: no mask), diagonal (the same chunk:
+causal within it) or hidden (key chunk later: nothing to compute). A step runs the op on the
+smallest rectangles that hold its visible pairs (`block_calls`); in both layouts that is one op
+call per step or none:
+  load_balanced, step 0 (own block): one causal call over both chunks (the local concatenation keeps
+    the global order, so top-left causal there is exact); source s < r: all queries x the block's
+    first chunk, full; s > r: the second query chunk x the whole block, full. Every step of every
+    rank costs 2c² visible pairs (step 0: c(2c+1)): balanced.
+  not load_balanced: s == r causal, s < r full, s > r hidden: skipped, not computed.
+Each call returns its rows' partial (out_b, lse_b) for its keys; they are merged exactly by
+logsumexp, lse' = logaddexp(lse, lse_b), out' = out·exp(lse - lse') + out_b·exp(lse_b - lse'),
+accumulated in float32 (float64 for float64 inputs), cast to q's dtype at the end. A row whose lse
+is -inf (no key visible, only possible once masks come) adds nothing to the merge.
+
+Backward (flash-attention's ring backward): with the GLOBAL out and lse, p = exp(s - lse) of a
+block is exactly that block's share of the full softmax and Delta = rowsum(dout ∘ out) is the full
+row's, so each block's backward gives exactly its share of dq and its full dk/dv for the local
+queries. The k/v blocks go around the ring again (send posted before compute, as forward); each
+block's dk/dv accumulator (float32) rides along with it, each holder adding its share, and a last
+hop brings it home to its owner (W hops for dk/dv, W-1 for k/v); the accumulator's receive is
+waited for only after the step's compute. dq accumulates locally (float32).
+  On CUDA (and on the CPU under FUSE_PLUGIN_CPU_KERNELS=triton) the block backward is the op's
+  `attention_backward`, whose kernels take p from the lse and Delta from the out they are passed.
+  The CPU reference of that op ignores the out/lse it is passed (it recomputes the block's own
+  softmax), which is right for one op call and wrong for a ring block; there the block backward is
+  `_reference_block_backward` below: the same formulas in plain torch (float32; float64 inputs:
+  float64), reading the global out/lse.
+
+Numerics: in float32 the ring equals the single-process op to rounding (tests: rel err ~1e-7,
+checked at 1e-5 for out, 1e-4 for gradients). In 16-bit types each block's out and dk/dv are
+rounded to q's dtype by the op before the float32 merge / accumulation, so the ring differs from
+one op call by about one 16-bit rounding per block (as PyTorch's context parallelism with SDPA).
+
+Not here (issue 32, later parts): a DTensor sharding rule (Shard on the sequence dim → ring),
+`context_parallel(...)` for compiled models (under torch.compile Dynamo graph-breaks at the P2P
+calls, "P2P compilation is disabled", and runs them eagerly: right results on 2 gloo ranks, tried by
+hand, not in the tests; fullgraph=True refuses), masks (padding, windows, documents; dense biases sharded with the queries), dropout, q and
+k of different lengths (cross-attention), shards of different lengths across ranks (every rank
+must hold the same number of tokens; a mismatch is not detected locally and fails in the P2P
+transfer), GPU measurements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..kernels.host import in_layout_of, layout_like
+from .attention import _runs_kernel  # the op's own test for "the kernels run this call"
+
+__all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "shard_positions", "load_balance_indices",
+           "block_calls", "BlockCall", "FULL", "DIAGONAL", "HIDDEN"]
+
+FULL, DIAGONAL, HIDDEN = "full", "diagonal", "hidden"
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def chunks_of(rank: int, world_size: int, load_balanced: bool) -> tuple[int, ...]:
+    """The global chunk indices rank `rank` holds, in its local order: (r, 2W-1-r) of 2W chunks
+    when load-balanced, else (r,) of W chunks."""
+    return (rank, 2 * world_size - 1 - rank) if load_balanced else (rank,)
+
+
+def load_balance_indices(seq_len: int, world_size: int, device=None) -> Tensor:
+    """(seq_len,) int64: the global position of each token of the concatenated shards of ranks
+    0..W-1 in the load-balanced order, i.e. shard r = x[..., idx[r·L/W:(r+1)·L/W], ...]. Equal to
+    PyTorch's `_HeadTailLoadBalancer(seq_len, W, device)._generate_indices()[0]`."""
+    if seq_len % (2 * world_size):
+        raise ValueError(f"ring_attention: a load-balanced sequence of {seq_len} tokens over {world_size} ranks: "
+                         f"the length must be a multiple of 2·world_size = {2 * world_size}")
+    chunks = torch.arange(seq_len, device=device).view(2 * world_size, -1)
+    return torch.cat([chunks[list(chunks_of(r, world_size, True))].reshape(-1) for r in range(world_size)])
+
+
+def shard_positions(local_len: int, rank: int, world_size: int, *, load_balanced: bool = True,
+                    device=None) -> Tensor:
+    """(local_len,) int64: the global positions of the tokens rank `rank` holds (its rotary
+    positions, say), for shards of local_len tokens."""
+    if load_balanced:
+        return load_balance_indices(local_len * world_size, world_size, device)[
+            rank * local_len:(rank + 1) * local_len]
+    return torch.arange(rank * local_len, (rank + 1) * local_len, device=device)
+
+
+def shard_sequence(x: Tensor, rank: int, world_size: int, *, dim: int = 2, load_balanced: bool = True) -> Tensor:
+    """Rank `rank`'s shard of the full tensor `x` along its sequence dim `dim` (a new tensor):
+    chunks r and 2W-1-r of 2W (load-balanced) or the r-th of W contiguous pieces. The length must
+    divide evenly (by 2W, or W)."""
+    n = 2 * world_size if load_balanced else world_size
+    if x.shape[dim] % n:
+        raise ValueError(f"ring_attention: cannot shard {x.shape[dim]} tokens (dim {dim}) over {world_size} ranks "
+                         f"{'load-balanced ' if load_balanced else ''}into {n} equal chunks")
+    chunks = x.chunk(n, dim=dim)
+    return torch.cat([chunks[c] for c in chunks_of(rank, world_size, load_balanced)], dim=dim)
+
+
+def unshard_sequence(x: Tensor, *, dim: int = 2, group=None, load_balanced: bool = True) -> Tensor:
+    """The full tensor from every rank's shard `x` (a collective: all-gather over `group`), in
+    global order. Not differentiable (for outputs, checks and tests)."""
+    pg = _resolve_group(group)
+    world_size = dist.get_world_size(pg)
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world_size)]
+    dist.all_gather(parts, x.contiguous(), group=pg)
+    n = 2 if load_balanced else 1
+    chunks: list[Optional[Tensor]] = [None] * (n * world_size)
+    for r, part in enumerate(parts):
+        for c, piece in zip(chunks_of(r, world_size, load_balanced), part.chunk(n, dim=dim)):
+            chunks[c] = piece
+    return torch.cat(chunks, dim=dim)
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """One op call of a ring step: local query rows `q` against rows `k` of the k/v block held
+    at that step, top-left causal inside that rectangle when `causal` (a diagonal pair)."""
+
+    q: slice
+    k: slice
+    causal: bool
+
+
+def pair_kind(q_chunk: int, k_chunk: int, is_causal: bool) -> str:
+    """FULL, DIAGONAL or HIDDEN: how the causal mask covers (query chunk, key chunk), from the
+    chunks' global order (equal chunk lengths)."""
+    if not is_causal or k_chunk < q_chunk:
+        return FULL
+    return DIAGONAL if k_chunk == q_chunk else HIDDEN
+
+
+def block_calls(q_chunks: Sequence[int], k_chunks: Sequence[int], chunk_len: int, is_causal: bool) -> list[BlockCall]:
+    """The op calls that compute every visible pair of the local queries (chunks `q_chunks`, in
+    local order) against a k/v block (chunks `k_chunks`), each pair once; [] when all are hidden.
+    One call when the visible pairs are one full rectangle of contiguous local chunks, or when the
+    block is the queries' own (then causal over it is exact: the local order keeps the global
+    one); otherwise, a layout this module does not make, one call per visible pair."""
+    kinds = {(i, j): pair_kind(a, b, is_causal) for i, a in enumerate(q_chunks) for j, b in enumerate(k_chunks)}
+    live = [ij for ij, kind in kinds.items() if kind != HIDDEN]
+    if not live:
+        return []
+
+    def span(first: int, last: int) -> slice:
+        return slice(first * chunk_len, (last + 1) * chunk_len)
+
+    rows, cols = sorted({i for i, _ in live}), sorted({j for _, j in live})
+    if (all(kinds[i, j] == FULL for i in rows for j in cols) and rows == list(range(rows[0], rows[-1] + 1))
+            and cols == list(range(cols[0], cols[-1] + 1))):
+        return [BlockCall(span(rows[0], rows[-1]), span(cols[0], cols[-1]), False)]
+    if list(q_chunks) == list(k_chunks) and list(q_chunks) == sorted(q_chunks):
+        return [BlockCall(span(0, len(q_chunks) - 1), span(0, len(k_chunks) - 1), True)]
+    return [BlockCall(span(i, i), span(j, j), kinds[i, j] == DIAGONAL) for i, j in live]
+
+
+def step_calls(rank: int, world_size: int, step: int, local_len: int, is_causal: bool,
+               load_balanced: bool) -> list[BlockCall]:
+    """The calls of rank `rank` at ring step `step` (holding the block of rank (rank - step) mod W)."""
+    balanced = load_balanced and is_causal
+    q_chunks = chunks_of(rank, world_size, balanced)
+    k_chunks = chunks_of((rank - step) % world_size, world_size, balanced)
+    return block_calls(q_chunks, k_chunks, local_len // len(q_chunks), is_causal)
+
+
+# ----------------------------------------------------------------------------- communication
+
+
+def _resolve_group(group):
+    """The ProcessGroup: `group` itself, a 1-D DeviceMesh's group, or the default group."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("ring_attention: no process group: pass group= (a ProcessGroup or a 1-D DeviceMesh of "
+                             "the context-parallel ranks) or initialise the default one with "
+                             "torch.distributed.init_process_group")
+        return dist.group.WORLD
+    if hasattr(group, "get_group"):  # a DeviceMesh
+        if group.ndim != 1:
+            raise ValueError(f"ring_attention: a {group.ndim}-D DeviceMesh: pass the 1-D mesh (or the group) of the "
+                             "context-parallel dim")
+        return group.get_group()
+    return group
+
+
+class _Pending:
+    """Posted transfers of one shift; `wait()` returns the received tensors."""
+
+    def __init__(self, works, received: list[Tensor], sent: list[Tensor]):
+        self.works, self.received, self.sent = works, received, sent  # `sent` kept alive until done
+
+    def wait(self) -> list[Tensor]:
+        for work in self.works:
+            work.wait()
+        self.sent = []
+        return self.received
+
+
+class _Ring:
+    """The group seen as a ring: rank r sends to r+1 and receives from r-1 (group ranks)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+
+    def shift(self, tensors: Sequence[Tensor], tag: int = 0) -> _Pending:
+        """Post the send of `tensors` to the next rank and the receive of as many tensors like them
+        (contiguous) from the previous one; returns at once."""
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=self.next, tag=tag + i)
+               for i, t in enumerate(sent)]
+        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=self.prev, tag=tag + i)
+                for i, t in enumerate(received)]
+        return _Pending(dist.batch_isend_irecv(ops), received, sent)
+
+
+# ----------------------------------------------------------------------------- blocks
+
+
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """The op on one rectangle: its partial (out, lse)."""
+    return torch.ops.fuse_plugin.attention(q, k, v, None, 0.0, causal, scale)
+
+
+def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of one rectangle from the GLOBAL out and lse of its rows (see the module doc)."""
+    if _runs_kernel(q, v):
+        dq, dk, dv, _ = torch.ops.fuse_plugin.attention_backward(
+            dout, q, k, v, None, out, lse.contiguous(), 0.0, causal, scale, None, False)
+        return dq, dk, dv
+    return _reference_block_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def _reference_block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernels' block backward in plain torch: p = exp(s - lse), Delta = rowsum(dout ∘ out)
+    with the lse and out given (rows whose lse is -inf add nothing); GQA by grouping the q heads
+    of each kv head ((B, Hkv, G, L, ·) views), never repeating k/v. Float32 math (float64 for
+    float64 inputs), results in the inputs' dtypes."""
+    ct = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
+    b, hq, lq, d = q.shape
+    hkv, lk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
+    g = hq // hkv
+    qg = q.to(ct).reshape(b, hkv, g, lq, d)
+    kk, vv = k.to(ct).unsqueeze(2), v.to(ct).unsqueeze(2)
+    do = dout.to(ct).reshape(b, hkv, g, lq, dv_)
+    row_lse = lse.to(ct).reshape(b, hkv, g, lq, 1)
+    p = torch.exp(qg @ kk.transpose(-1, -2) * scale - row_lse)
+    hide = (row_lse == float("-inf"))
+    if causal:
+        hide = hide | ~torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+    p = p.masked_fill(hide, 0.0)
+    delta = (do * out.to(ct).reshape(b, hkv, g, lq, dv_)).sum(-1, keepdim=True)
+    dv = (p.transpose(-1, -2) @ do).sum(2)
+    ds = p * (do @ vv.transpose(-1, -2) - delta)
+    dq = (ds @ kk).reshape(b, hq, lq, d) * scale
+    dk = (ds.transpose(-1, -2) @ qg).sum(2) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _merge(out: Tensor, lse: Tensor, rows: slice, out_b: Tensor, lse_b: Tensor) -> None:
+    """out[rows], lse[rows] (the float accumulators, updated in place) merged with a block's
+    partial (out_b, lse_b) by logsumexp; a row whose lse_b is -inf (nothing visible) changes
+    nothing, and one whose accumulated lse is still -inf takes the block's as it is."""
+    acc, acc_lse = out[:, :, rows], lse[:, :, rows]
+    lse_b = lse_b.to(lse.dtype)
+    new = torch.logaddexp(acc_lse, lse_b)
+    safe = new.masked_fill(new == float("-inf"), 0.0)  # both -inf: keep exp() finite (weights 0)
+    w_acc, w_b = torch.exp(acc_lse - safe).unsqueeze(-1), torch.exp(lse_b - safe).unsqueeze(-1)
+    out_b = out_b.to(out.dtype).masked_fill((lse_b == float("-inf")).unsqueeze(-1), 0.0)  # its NaN rows
+    acc.mul_(w_acc).add_(w_b * out_b)
+    acc_lse.copy_(new)
+
+
+def _rows(t: Tensor, rows: slice) -> Tensor:
+    return t[:, :, rows]
+
+
+# ----------------------------------------------------------------------------- the ring
+
+
+def _ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, ring: _Ring,
+                  load_balanced: bool) -> tuple[Tensor, Tensor]:
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, hq, lq, _ = q.shape
+    out = q.new_zeros((b, lq, hq, v.shape[-1]), dtype=acc_dtype).transpose(1, 2)  # the op's layout
+    lse = torch.full((b, hq, lq), float("-inf"), dtype=acc_dtype, device=q.device)
+    kv = [k, v]
+    for step in range(ring.size):
+        pending = ring.shift(kv) if step < ring.size - 1 else None  # the next block travels meanwhile
+        for call in step_calls(ring.rank, ring.size, step, lq, is_causal, load_balanced):
+            out_b, lse_b = _block_forward(_rows(q, call.q), _rows(kv[0], call.k), _rows(kv[1], call.k),
+                                          call.causal, scale)
+            _merge(out, lse, call.q, out_b, lse_b)
+        if pending is not None:
+            kv = pending.wait()
+    return out.to(q.dtype), lse.float()
+
+
+def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool,
+                   scale: float, ring: _Ring, load_balanced: bool) -> tuple[Tensor, Tensor, Tensor]:
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lq = q.shape[2]
+    dq = layout_like(q, acc_dtype).zero_()
+    kv = [k, v]
+    dkv: list[Tensor] = []
+    incoming: Optional[_Pending] = None  # the accumulator of the block held next, on its way
+    for step in range(ring.size):
+        pending = ring.shift(kv) if step < ring.size - 1 else None
+        parts = []
+        for call in step_calls(ring.rank, ring.size, step, lq, is_causal, load_balanced):
+            dq_b, dk_b, dv_b = _block_backward(_rows(dout, call.q), _rows(q, call.q), _rows(kv[0], call.k),
+                                               _rows(kv[1], call.k), _rows(out, call.q), lse[:, :, call.q],
+                                               call.causal, scale)
+            _rows(dq, call.q).add_(dq_b)
+            parts.append((call.k, dk_b, dv_b))
+        # this block's dk/dv so far (from the ranks that held it before), waited for only now
+        dkv = incoming.wait() if incoming is not None else [
+            torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for t in kv]
+        for rows, dk_b, dv_b in parts:
+            _rows(dkv[0], rows).add_(dk_b)
+            _rows(dkv[1], rows).add_(dv_b)
+        if ring.size > 1:  # on to the next holder; after the last step, home to its owner
+            incoming = ring.shift(dkv, tag=2)
+        if pending is not None:
+            kv = pending.wait()
+    dk, dv = incoming.wait() if incoming is not None else dkv
+    return dq.to(q.dtype), in_layout_of(dk.to(k.dtype), k), in_layout_of(dv.to(v.dtype), v)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal, scale, ring, load_balanced):
+        out, lse = _ring_forward(q, k, v, is_causal, scale, ring, load_balanced)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.is_causal, ctx.scale, ctx.ring, ctx.load_balanced = is_causal, scale, ring, load_balanced
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        # (dout is never None: autograd materialises zeros, so every rank runs the collective ring)
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.ring, ctx.load_balanced)
+        return dq, dk, dv, None, None, None, None
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, load_balanced: bool) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"ring_attention: q, k, v must be 4-D (B, H, L_local, D), got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"ring_attention: the local shards of q and k differ in length (q {q.shape[2]} tokens, "
+                         f"k {k.shape[2]}): each rank must hold the same positions of q and of k/v (self-attention "
+                         f"sharded alike; cross-attention is not supported)")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"ring_attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ in batch, heads or length")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)}: the batch and head dim must "
+                         f"agree and the q heads be a multiple of the kv heads")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(f"ring_attention: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} "
+                         f"on {q.device}/{k.device}/{v.device}")
+    if is_causal and load_balanced and q.shape[2] % 2:
+        raise ValueError(f"ring_attention: a load-balanced causal shard holds two chunks of equal length, so its "
+                         f"length must be even, got {q.shape[2]} (shard with shard_sequence(..., load_balanced=True) "
+                         f"or pass load_balanced=False for contiguous shards)")
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float] = None,
+                   group=None, load_balanced: bool = True) -> tuple[Tensor, Tensor]:
+    """This rank's (out, lse) of attention over the whole sequence from sequence-sharded q, k, v
+    (shapes, layout and numerics: the module doc). Collective over `group` (forward and backward)."""
+    _check(q, k, v, is_causal, load_balanced)
+    ring = _Ring(_resolve_group(group))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, bool(is_causal), scale, ring, bool(load_balanced))
