@@ -515,8 +515,9 @@ def scenario_errors(ctx):
     def dt(t, p):
         return _dt(t, mesh, p)
 
+    # (q, k and v all sequence-sharded run ring attention: tests/test_context_parallel.py)
     expect_error("attention q sequence-sharded", lambda: ops.attention(
-        dt(q, Shard(2)), dt(k, Shard(2)), dt(k, Shard(2)), None, 0.0, True, 0.25))
+        dt(q, Shard(2)), dt(k, Replicate()), dt(k, Replicate()), None, 0.0, True, 0.25))
     expect_error("attention k batch while q heads", lambda: ops.attention(
         dt(q, Shard(1)), dt(k, Shard(0)), dt(k, Shard(1)), None, 0.0, True, 0.25))
     expect_error("rotary x replicated, tables sharded (a gather)", lambda: ops.rotary(

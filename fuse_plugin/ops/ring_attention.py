@@ -2,6 +2,10 @@
 
     out, lse = ring_attention(q, k, v, is_causal=True, scale=None, group=None, load_balanced=True)
 
+    # the same without autograd, for callers that own the differentiation (ops/context_parallel.py):
+    out, lse = ring_attention_forward(q, k, v, is_causal=..., scale=..., group=..., load_balanced=...)
+    dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, is_causal=..., ...)
+
 computes, on every rank of `group`, that rank's rows of softmax(q·kᵀ·scale [causal]) · v over the
 WHOLE sequence, when each rank holds only its shard of the sequence of q, k and v:
   q (B, Hq, Lq, D), k (B, Hkv, Lq, D), v (B, Hkv, Lq, Dv): the LOCAL shards, every rank with the
@@ -68,13 +72,16 @@ checked at 1e-5 for out, 1e-4 for gradients). In 16-bit types each block's out a
 rounded to q's dtype by the op before the float32 merge / accumulation, so the ring differs from
 one op call by about one 16-bit rounding per block (as PyTorch's context parallelism with SDPA).
 
-Not here (issue 32, later parts): a DTensor sharding rule (Shard on the sequence dim → ring),
-`context_parallel(...)` for compiled models (under torch.compile Dynamo graph-breaks at the P2P
-calls, "P2P compilation is disabled", and runs them eagerly: right results on 2 gloo ranks, tried by
-hand, not in the tests; fullgraph=True refuses), masks (padding, windows, documents; dense biases sharded with the queries), dropout, q and
-k of different lengths (cross-attention), shards of different lengths across ranks (every rank
-must hold the same number of tokens; a mismatch is not detected locally and fails in the P2P
-transfer), GPU measurements.
+Sequence-sharded DTensors: `fuse_plugin::attention` (and its backward op) on q/k/v DTensors placed
+Shard(2) on a 1-D mesh run this ring through `ring_attention_forward` / `ring_attention_backward`,
+contiguous layout (ops/context_parallel.py).
+
+Not here (issue 32, later parts): `context_parallel(...)` for compiled models (under torch.compile
+Dynamo graph-breaks at the P2P calls, "P2P compilation is disabled", and runs them eagerly: right
+results on 2 gloo ranks, tried by hand, not in the tests; fullgraph=True refuses), masks (padding,
+windows, documents; dense biases sharded with the queries), dropout, q and k of different lengths
+(cross-attention), shards of different lengths across ranks (every rank must hold the same number of
+tokens; a mismatch is not detected locally and fails in the P2P transfer), GPU measurements.
 """
 from __future__ import annotations
 
@@ -88,8 +95,9 @@ from torch import Tensor
 from ..kernels.host import in_layout_of, layout_like
 from .attention import _runs_kernel  # the op's own test for "the kernels run this call"
 
-__all__ = ["ring_attention", "shard_sequence", "unshard_sequence", "shard_positions", "load_balance_indices",
-           "block_calls", "BlockCall", "FULL", "DIAGONAL", "HIDDEN"]
+__all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "shard_sequence",
+           "unshard_sequence", "shard_positions", "load_balance_indices", "block_calls", "BlockCall", "FULL",
+           "DIAGONAL", "HIDDEN"]
 
 FULL, DIAGONAL, HIDDEN = "full", "diagonal", "hidden"
 
@@ -373,10 +381,10 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, ring, load_balanced):
-        out, lse = _ring_forward(q, k, v, is_causal, scale, ring, load_balanced)
+    def forward(ctx, q, k, v, is_causal, scale, group, load_balanced):
+        out, lse = _ring_forward(q, k, v, is_causal, scale, _Ring(group), load_balanced)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.is_causal, ctx.scale, ctx.ring, ctx.load_balanced = is_causal, scale, ring, load_balanced
+        ctx.is_causal, ctx.scale, ctx.group, ctx.load_balanced = is_causal, scale, group, load_balanced
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -384,7 +392,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         # (dout is never None: autograd materialises zeros, so every rank runs the collective ring)
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.ring, ctx.load_balanced)
+        dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, is_causal=ctx.is_causal, scale=ctx.scale,
+                                             group=ctx.group, load_balanced=ctx.load_balanced)
         return dq, dk, dv, None, None, None, None
 
 
@@ -415,6 +424,37 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: O
     """This rank's (out, lse) of attention over the whole sequence from sequence-sharded q, k, v
     (shapes, layout and numerics: the module doc). Collective over `group` (forward and backward)."""
     _check(q, k, v, is_causal, load_balanced)
-    ring = _Ring(_resolve_group(group))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, bool(is_causal), scale, ring, bool(load_balanced))
+    return _RingAttention.apply(q, k, v, bool(is_causal), scale, _resolve_group(group), bool(load_balanced))
+
+
+def ring_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float] = None,
+                           group=None, load_balanced: bool = True) -> tuple[Tensor, Tensor]:
+    """`ring_attention`'s forward without autograd: this rank's (out, lse), nothing recorded for a
+    backward (the caller keeps out and lse and runs `ring_attention_backward`). For callers that
+    own the differentiation, e.g. `fuse_plugin::attention` on sequence-sharded DTensors
+    (ops/context_parallel.py), whose op autograd calls the backward op. Collective over `group`."""
+    _check(q, k, v, is_causal, load_balanced)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    with torch.no_grad():
+        return _ring_forward(q, k, v, bool(is_causal), scale, _Ring(_resolve_group(group)), bool(load_balanced))
+
+
+def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
+                            is_causal: bool, scale: Optional[float] = None, group=None,
+                            load_balanced: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of this rank's shards (in q/k/v's memory order) from the output gradient `dout`
+    and the rank's rows of the forward's GLOBAL out (B, Hq, Lq, Dv) and lse (B, Hq, Lq), as
+    `ring_attention_forward` (or `ring_attention`) returned them: the ring backward of the module
+    doc. The arguments must be those of the forward (same layout, causal, scale, group).
+    `ring_attention`'s autograd runs exactly this. Collective over `group`; not differentiable."""
+    _check(q, k, v, is_causal, load_balanced)
+    rows = (*q.shape[:3], v.shape[-1])
+    if tuple(dout.shape) != rows or tuple(out.shape) != rows or tuple(lse.shape) != rows[:3]:
+        raise ValueError(f"ring_attention: dout {tuple(dout.shape)}, out {tuple(out.shape)} and lse "
+                         f"{tuple(lse.shape)} must be this rank's rows of the forward's outputs: {rows} and "
+                         f"{rows[:3]} for q {tuple(q.shape)} and v {tuple(v.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    with torch.no_grad():
+        return _ring_backward(dout, q, k, v, out, lse, bool(is_causal), scale, _Ring(_resolve_group(group)),
+                              bool(load_balanced))

@@ -22,6 +22,10 @@ That is right only for some placements; these are the ones each op takes, on eve
     these placements takes it as it is (it is one of the cache key's non-tensor arguments).
     replace (attention, attention_backward): a bool mask broadcast to the scores like attn_bias,
     and placed like it (Shard on the batch / head dim it holds, else Replicate).
+  sequence (attention, attention_backward only): q, k, v (dout, out, lse) all Shard(2) on a 1-D
+    mesh, no bias / dropout / softcap / replace / window: not a rule but DTensor custom handlers
+    (ops/context_parallel.py, registered here) that run ring attention over the shards
+    (ops/ring_attention.py) in plain contiguous Shard(2) order; eager only.
   attention_sinks, attention_sinks_backward: as attention; sinks (Hq,) Shard(0) with the heads,
     Replicate with the batch; its gradient likewise, a Partial sum over batch shards.
 
@@ -380,3 +384,6 @@ def register() -> None:
         if hasattr(propagator, "op_to_schema_info"):
             propagator.op_to_schema_info[op] = _schema_info(op)
         _REGISTERED.append(f"fuse_plugin::{name}")
+    from .context_parallel import register as register_ring
+
+    register_ring()  # Shard(2) q/k/v of attention and its backward: ring attention
