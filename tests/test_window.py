@@ -336,3 +336,48 @@ def test_sinks_window_on_the_kernels():
             outs[how] = (out,) + torch.autograd.grad(out, (q, k, v, sinks), torch.ones_like(out))
     for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), outs["triton"], outs["reference"]):
         check_close(name, a, b, 1e-5)
+
+
+# ------------------------------------------------------------------------------------ HF models
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_hf_windowed_models_train_as_eager(family):
+    """Tiny HF Mistral (every layer windowed) and Gemma 2 (a windowed layer, then a full one, with
+    logit softcapping), eager attention: the windowed sites pass the window to the op; logits and
+    every gradient equal eager's."""
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    common = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
+                  attn_implementation="eager")
+    if family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    else:
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, attn_logit_softcapping=50.0))
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (2, 12))
+    windows = []
+
+    def backend(gm, example_inputs):
+        compiled = rewrite_aot_eager(gm, example_inputs)
+        windows.extend(n.kwargs.get("window", 0) for n in gm.graph.nodes if n.target is ATTENTION)
+        return compiled
+
+    def step(m):
+        logits = m(input_ids=ids).logits
+        logits.float().square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad()
+        return logits, grads
+
+    want, want_g = step(model)
+    torch._dynamo.reset()
+    counters.clear()
+    got, got_g = step(torch.compile(model, backend=backend))
+    assert sorted(windows) == ([4, 4] if family == "mistral" else [0, 4])
+    check_close("logits", got, want, 1e-5)
+    assert set(got_g) == set(want_g)
+    for name in want_g:
+        check_close(name, got_g[name], want_g[name], 1e-4)
