@@ -14,16 +14,15 @@ results (`full_tensor()`, an all-gather) with it.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the "kernels" case)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from dist_harness import run_scenarios  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fuse_plugin
 
@@ -246,22 +245,7 @@ def main():
     scenarios = {name: (lambda c, a=args: run_case(c, *a)) for name, args in CASES.items()}
     scenarios["dout_replicated"] = lambda c: run_case(c, *CASES["gqa_causal"], dout_placement=Replicate())
     scenarios.update(errors=scenario_errors, unchanged=scenario_unchanged, registration=scenario_registration)
-    results = {}
-    for name, fn in scenarios.items():
-        t0 = time.perf_counter()
-        try:
-            results[name] = {"facts": fn(ctx)}
-        except Exception:  # noqa: BLE001 - reported by the test of that scenario
-            results[name] = {"error": traceback.format_exc()}
-        results[name]["wall_s"] = time.perf_counter() - t0
-        dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (gloo's threads have aborted it at exit)
+    run_scenarios(scenarios, ctx, rank, out_dir)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ process, on the whole global batch.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
+from dist_harness import run_scenarios
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -561,20 +560,7 @@ def main():
 
     ctx = {"rank": rank, "ws": ws, "mesh": init_device_mesh("cpu", (ws,)), "ref": reference_run(),
            "backend": os.environ.get("FUSE_PLUGIN_DIST_BACKEND", "rewrite_aot_eager")}
-    results = {}
-    for name in names:
-        try:
-            results[name] = {"facts": SCENARIOS[name](ctx)}
-        except Exception:  # noqa: BLE001 - reported by the test of that scenario
-            results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (gloo's threads have aborted it at exit)
+    run_scenarios({name: SCENARIOS[name] for name in names}, ctx, rank, out_dir)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,15 @@ gives it; `unshard_sequence` of the ring's out is compared with the whole refere
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the "kernels" cases)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from dist_harness import run_scenarios  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fuse_plugin
 
@@ -179,22 +178,7 @@ def main():
     ctx = {"rank": rank, "ws": ws, "mesh": init_device_mesh("cpu", (ws,)), "no_group": no_group}
     scenarios = {name: (lambda c, a=args: run_case(c, *a)) for name, args in CASES.items()}
     scenarios.update(trace=scenario_trace, pytorch_layout=scenario_pytorch_layout, errors=scenario_errors)
-    results = {}
-    for name, fn in scenarios.items():
-        t0 = time.perf_counter()
-        try:
-            results[name] = {"facts": fn(ctx)}
-        except Exception:  # noqa: BLE001 - reported by the test of that scenario
-            results[name] = {"error": traceback.format_exc()}
-        results[name]["wall_s"] = time.perf_counter() - t0
-        dist.barrier()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip interpreter teardown (gloo's threads have aborted it at exit)
+    run_scenarios(scenarios, ctx, rank, out_dir)
 
 
 if __name__ == "__main__":

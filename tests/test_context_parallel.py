@@ -22,13 +22,12 @@ both ranks:
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
+import dist_harness
 import pytest
 import torch
+from dist_harness import spawn_ranks
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "context_parallel_worker.py")
 WORLD = 2
@@ -42,34 +41,12 @@ if not (torch.distributed.is_available() and torch.distributed.is_gloo_available
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Run the worker on WORLD ranks once; {rank: {scenario: {"facts": ...} | {"error": ...}}}."""
-    out = tmp_path_factory.mktemp("cp")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(WORLD), str(out / "store"), str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for r in range(WORLD)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=300)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the context-parallel worker did not finish in 300 s")
-    found = {}
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        path = out / f"rank{r}.json"
-        if not path.exists():
-            pytest.fail(f"rank {r} wrote no results (exit {p.returncode}); its output:\n{log[-5000:]}")
-        found[r] = json.loads(path.read_text())
-    return found
+    return spawn_ranks(WORKER, WORLD, tmp_path_factory.mktemp("cp"), 300, "context-parallel worker")
 
 
 def facts(results, scenario):
     """The scenario's facts from every rank (a rank's traceback fails the test)."""
-    out = []
-    for r, per_rank in results.items():
-        res = per_rank[scenario]
-        assert "error" not in res, f"rank {r}, scenario {scenario}:\n{res['error']}"
-        out.append(res["facts"])
+    out = dist_harness.facts(results, scenario)
     assert len(out) == WORLD
     return out
 

@@ -26,13 +26,11 @@ through the real backend (Inductor's C++ compile on the CPU: about a minute more
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from dist_harness import facts, spawn_ranks
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
 WORLD = 2
@@ -46,35 +44,7 @@ if not (torch.distributed.is_available() and torch.distributed.is_gloo_available
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Run the worker on WORLD ranks once; {rank: {scenario: {"facts": ...} | {"error": ...}}}."""
-    out = tmp_path_factory.mktemp("dist")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(WORLD), str(out / "store"), str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) for r in range(WORLD)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=600)[0].decode(errors="replace"))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the distributed worker did not finish in 600 s")
-    found = {}
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        path = out / f"rank{r}.json"
-        if not path.exists():
-            pytest.fail(f"rank {r} wrote no results (exit {p.returncode}); its output:\n{log[-5000:]}")
-        found[r] = json.loads(path.read_text())
-    return found
-
-
-def facts(results, scenario):
-    """The scenario's facts from every rank (a rank's traceback fails the test)."""
-    out = []
-    for r, per_rank in results.items():
-        res = per_rank[scenario]
-        assert "error" not in res, f"rank {r}, scenario {scenario}:\n{res['error']}"
-        out.append(res["facts"])
-    return out
+    return spawn_ranks(WORKER, WORLD, tmp_path_factory.mktemp("dist"), 600, "distributed worker")
 
 
 def check_training(f, sites):
