@@ -247,32 +247,54 @@ def test_windowed_backward_runs_unpipelined():
         AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.088))
 
 
-def test_the_choice_takes_a_window_that_hides_keys(monkeypatch):
+def test_the_choice_takes_a_window_only_where_measured(monkeypatch):
     """A windowed site on the GPU (pretended here) goes to our op by the measured window rule
-    (patterns/choice.py) where the window is shorter than the keys; where it hides nothing the
-    causal class decides as usual."""
+    (patterns/choice.py) from WINDOW_RULE_MIN_KEYS keys on, bf16, where the window is shorter than
+    the keys; below the measured lengths, in fp32, or where it hides nothing, the usual choice."""
     from fuse_plugin.kernels import choice_table
     from fuse_plugin.patterns import choice
 
     monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "auto")
-    real_class_of = choice.class_of
-    monkeypatch.setattr(choice, "class_of", lambda site: real_class_of(site)[:2] + (torch.device("cuda"),))
+    monkeypatch.setattr(choice, "site_device", lambda site: torch.device("cuda"))
     monkeypatch.setattr(choice_table, "lookup", lambda device, key: None)  # (nothing measured)
     seen = []
     real = choice.decide
 
     def decide(site):
-        seen.append((site, real(site)))
-        return seen[-1][1]
+        seen.append(site)
+        return real(site)
 
     monkeypatch.setattr(choice, "decide", decide)
-    for L in (12, 3):
+    for L, dtype in ((12, torch.bfloat16), (3, torch.bfloat16), (12, torch.float32)):
         model = Banded(lambda i, j: (j <= i) & (j > i - 4))
-        _rewritten(model, *(torch.randn(1, 2, L, 16) for _ in range(3)))
-    (long, decision), (short, _) = seen
-    assert long.window == 4 and short.window == 4
+        _rewritten(model, *(torch.randn(1, 2, L, 16, dtype=dtype) for _ in range(3)))
+    long, short, fp32 = seen
+    assert long.window == short.window == fp32.window == 4
+    assert choice._window_rule(long) is None  # 12 keys: below the measured lengths
+    monkeypatch.setattr(choice, "WINDOW_RULE_MIN_KEYS", 8)
+    decision = choice._window_rule(long)
     assert decision.ours and "a sliding window of 4 over 12 keys" in decision.reason
-    assert choice._window_rule(short) is None
+    assert choice._window_rule(short) is None  # the window hides nothing
+    assert choice._window_rule(fp32) is None  # measured in 16-bit only
+
+
+def test_sdpa_call_with_a_band_mask_becomes_the_window(monkeypatch):
+    """An SDPA call whose bool mask is the causal band (HF's sdpa path), taken for our op: our op
+    with the window, no mask left; a look-back bound without the causal part stays a mask."""
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "ours")
+    def band_call(q, k, v, causal=True):
+        L = q.shape[-2]
+        i = torch.arange(L)[:, None]
+        j = torch.arange(L)[None, :]
+        keep = (j > i - 3) & (j <= i) if causal else j > i - 3
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    q, k, v = (torch.randn(1, 2, 10, 16, dtype=torch.float64) for _ in range(3))
+    for causal, window in ((True, 3), (False, None)):
+        calls, out = _rewritten(lambda q, k, v: band_call(q, k, v, causal), q, k, v)
+        assert len(calls) == 1 and calls[0].kwargs.get("window") == window, causal
+        assert (calls[0].args[3] is None) == causal  # the band leaves no mask; the bound alone stays one
+        torch.testing.assert_close(out, band_call(q, k, v, causal))
 
 
 # ------------------------------------------------------------------------------------ sinks

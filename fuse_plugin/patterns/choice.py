@@ -150,20 +150,30 @@ _WINDOW_RULE = ("left to Inductor by rule: windows of <= 64 tokens, head dim <= 
 # Sliding windows (issue 31, H200, torch 2.11, bf16, 2026-11-26, benchmarks/window.py): causal D 128,
 # window 4096 at 16k / 32k tokens, forward + backward: our window kernels 5.9 / 11.4 ms (16 heads),
 # SDPA with the band as a dense mask (cuDNN) 25.6 / 102.3 ms, SDPA is_causal (which computes
-# another problem, the whole triangle) 7.0 / 27.4 ms. What a windowed site is otherwise (the
-# band mask, in SDPA or in Inductor's decomposition) computes the whole square or triangle.
+# another problem, the whole triangle) 7.0 / 27.4 ms; our causal kernels 10.4 / 40.8 ms, an upper
+# bound of the window's for any window (its blocks are a subset), still below SDPA's band mask,
+# whose cost does not depend on the window. The rule holds only there: 16-bit, no dropout, from
+# WINDOW_RULE_MIN_KEYS keys on; below, the usual choice (the causal class's measurements; for an
+# SDPA call site, SDPA stays unless our op was measured faster).
+WINDOW_RULE_MIN_KEYS = 16384
 _WINDOW_MEASURED = ("a sliding window of {w} over {l} keys: the kernels skip the blocks it hides (measured "
-                    "4.3-9.0x faster than SDPA with the band as a mask at 16k-32k tokens, H200)")
+                    "4.3-9.0x faster than SDPA with the band as a mask at 16k-32k tokens, bf16, H200)")
+
+
+def site_device(site) -> torch.device:
+    return site.q.value().device
 
 
 def _window_rule(site) -> Optional[Decision]:
-    """Our op for a windowed site on the GPU whose window hides keys (shorter than the keys)."""
+    """Our op for a windowed site in the measured range (see above): on the GPU, 16-bit, no
+    dropout, from WINDOW_RULE_MIN_KEYS keys on, the window shorter than the keys."""
     w = getattr(site, "window", 0)
-    if not w or class_of(site)[2].type != "cuda":
-        return None  # (off the GPU: the usual choice, as for any site)
+    if not w or site_device(site).type != "cuda" or site.dtype not in (torch.float16, torch.bfloat16) \
+            or site.dropout_p:
+        return None
     lk = _hint(site.k.value().shape[-2])
-    if w >= lk:
-        return None  # the window hides nothing here: the causal class's measurements decide
+    if w >= lk or lk < WINDOW_RULE_MIN_KEYS:
+        return None
     return Decision(True, _WINDOW_MEASURED.format(w=w, l=lk))
 
 
