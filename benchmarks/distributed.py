@@ -57,13 +57,15 @@ Context parallelism (--cp; defaults: the e2e model's 12 layers, seq 16384, globa
           order (checked: the positions a rank gets equal `shard_positions`), and while it is active
           F.scaled_dot_product_attention is replaced by its ring (q/k/v wrapped as Shard(2)
           DTensors, flash / efficient / cuDNN SDPA per block, k/v all-gathered: its default
-          rotate method), then stock torch.compile. HF's mask: with no attention_mask HF still
-          creates a DynamicCache (use_cache defaults to True, in training too), which skips its
-          packed-sequence detection (the load-balanced positions jump, and would otherwise make a
-          dense block mask) and lets `_ignore_causal_mask_sdpa` return None: SDPA gets
-          attn_mask=None, is_causal=True (checked on the CPU: the smoke's ring refuses a mask; on
-          the GPU a mask would reach PyTorch's ring as attn_bias, which it refuses, "attn_bias is
-          not supported yet", or fail the loss check). GQA: HF passes enable_gqa=True (no mask);
+          rotate method), then stock torch.compile. HF's mask: the model's attention is HF's own
+          `sdpa_attention_forward` registered under the name "sdpa_causal" (`register_sdpa_cp`),
+          which HF's mask interface does not know, so it builds no mask and SDPA gets
+          attn_mask=None, is_causal=True, as on one GPU with HF's "sdpa" path untraced. (With the
+          plain "sdpa" name, compiled, transformers 5.17 (the GPU machine's) built a bool mask of the
+          LOCAL length: its `_ignore_causal_mask_sdpa` never drops the mask while compiling (5.24, on
+          the CPU, does). PyTorch's ring refused it, DTensor failing to expand an (L/2, L/2) mask:
+          H100 x2, 2026-11-26.) Its 1-GPU reference runs the
+          same function. GQA: HF passes enable_gqa=True (no mask);
           should a backend refuse it under the ring, --sdpa-repeat-kv makes HF repeat k/v first.
   Both: the labels are the next tokens (IGNORE at the last position) sharded like the inputs, so
   each rank's loss reads its own logits only: sum of its tokens' cross-entropy / the GLOBAL count of
@@ -232,7 +234,7 @@ def build(args, variant, mode, device):
     dtype = torch.float32 if args.cpu else torch.bfloat16
     torch.manual_seed(0)  # the same weights in every run and on every rank
     if variant == "sdpa+compile":
-        attn = "sdpa"
+        attn = register_sdpa_cp() if mode in ("cp", "1-GPU") and args.cp else "sdpa"
     elif mode == "cp":
         attn = register_ring_attention()
     else:
@@ -366,6 +368,28 @@ def register_ring_attention() -> str:
         _RING_OPS.append(ring_fwd)
     AttentionInterface.register(CP_ATTN, _ring_attention_hf)
     return CP_ATTN
+
+
+SDPA_CP_ATTN = "sdpa_causal"  # --cp, sdpa+compile: HF's sdpa function, never given a mask
+
+
+def register_sdpa_cp() -> str:
+    """--cp, PyTorch's variant: HF's own `sdpa_attention_forward` registered under a name HF's
+    mask interface does not know, so HF builds no mask and SDPA gets attn_mask=None, is_causal=True
+    (and enable_gqa). Why: under torch.compile on the GPU, HF's "sdpa" path builds a dense bool mask
+    of the LOCAL length (its `_ignore_causal_mask_sdpa` cannot drop the mask while tracing), which
+    PyTorch's ring refuses (DTensor cannot expand an (L/W, L/W) mask to (L, L)) and which would be
+    the wrong mask under CP anyway. The 1-GPU reference of the variant uses the same function."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def sdpa_causal(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not None:
+            raise ValueError(f"{SDPA_CP_ATTN}: HF passed a mask; this benchmark's model is causal without padding")
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    AttentionInterface.register(SDPA_CP_ATTN, sdpa_causal)
+    return SDPA_CP_ATTN
 
 
 def _ring_attention_hf(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
