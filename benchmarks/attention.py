@@ -32,6 +32,7 @@ gain over the pair.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -277,12 +278,13 @@ def choice_row(label, case, log, device="cuda"):
                         times.setdefault(fam, [None, None])[direction == "bwd"] = _device_ms(fn)
                     except Exception as e:  # noqa: BLE001
                         log(f"{label}: {fam} {direction} failed: {e!r:.200}")
-    # SDPA's backends (k/v repeated for GQA by enable_gqa; a window-periodic bias materialised)
+    # SDPA's backends (k/v repeated for GQA by enable_gqa; a window-periodic bias materialised),
+    # and SDPA as a call site runs it: the backend torch picks ("sdpa")
     sb = whole_bias(op_bias, q, k) if case.bias == "periodic" else op_bias
-    for name in BACKENDS if device == "cuda" else ():
+    for name in (*BACKENDS, None) if device == "cuda" else ():
         t = _sdpa_times(name, q, k, v, sb, case, scale, learned)
         if t is not None:
-            times[f"sdpa-{name}"] = list(t)
+            times[f"sdpa-{name}" if name else "sdpa"] = list(t)
     if max(Lq, Lk) <= 512:  # Inductor's decomposition materialises the scores: small rows only
         ind = tc.inductor_times(case, scale, q, k, v, bias, mask, learned)
         times["inductor"] = [ind["fwd"] / 1e3, (ind["train"] - ind["fwd"]) / 1e3]
@@ -295,7 +297,7 @@ def _sdpa_times(name, q, k, v, bias, case, scale, learned):
     gqa = q.shape[1] != k.shape[1]
 
     def fwd():
-        with sdpa_kernel(BACKENDS[name]):
+        with sdpa_kernel(BACKENDS[name]) if name else contextlib.nullcontext():
             return F.scaled_dot_product_attention(*leaves, attn_mask=b, dropout_p=case.dropout,
                                                   is_causal=case.causal, scale=scale, enable_gqa=gqa)
     try:
@@ -311,26 +313,66 @@ def _sdpa_times(name, q, k, v, bias, case, scale, learned):
         raise
 
 
+def site_decisions(case, device="cuda"):
+    """What a hand-written site of this row's problem gets, per mode ("fwd": inference, "train"):
+    patterns/choice.decide_from over the shipped choice table's entry for the row's class (None:
+    not measured; then our op, the op's own family choice), as the rewrite decides it."""
+    from fuse_plugin.kernels import choice_table as ct
+    from fuse_plugin.patterns.choice import decide_from
+
+    B, Hq, Hkv, Lq, Lk, D, Dv = case.shape
+    key = ct.class_key(getattr(torch, case.dtype), D, Dv, Lq, Lk, case.bias, case.causal, bool(case.dropout))
+    times = ct.lookup(torch.device(device), key)
+    # every row's site can be an SDPA call (no softcap or finite fill: attention.why_not_sdpa)
+    return {mode: decide_from(times, mode, key, sdpa_ok=True) for mode in ("fwd", "train")}
+
+
+def site_times(times, decisions):
+    """(implementation, ms) per mode of the site's decision: our op (its chosen families), an SDPA
+    call (the backend torch picks) or Inductor's decomposition."""
+    out = {}
+    for mode, dec in decisions.items():
+        name = "chosen" if dec.ours and not dec.as_sdpa else "sdpa" if dec.as_sdpa else "inductor"
+        t = times.get(name)
+        if t is None or t[0] is None or (mode == "train" and t[1] is None):
+            name, t = "chosen", times["chosen"]  # (not measured here: what the op runs)
+        out[mode] = (name, t[0] if mode == "fwd" else t[0] + t[1])
+    return out
+
+
 def choice_table(log=print, cases=None, device="cuda"):
-    """The choice table's rows (markdown) and their numbers (for --json)."""
-    lines = ["| row | chosen fwd / bwd | best family fwd / bwd (ms) | fastest other (ms) | chosen vs fastest fwd / bwd / both |",
-             "|---|---|---|---|---|"]
+    """The choice table's rows (markdown) and their numbers (for --json). Two views per row: the
+    op's families (what `fuse_plugin::attention` runs when called: chosen vs fastest of all), and
+    the site (what the rewrite does with a hand-written site of that problem, from the shipped
+    table: our op, an SDPA call or the site left to Inductor) against the fastest implementation,
+    inference (fwd) and training (fwd + bwd of one implementation, our op's families mixed)."""
+    lines = ["| row | chosen fwd / bwd | best family fwd / bwd (ms) | fastest other (ms) | chosen vs fastest fwd / bwd / both "
+             "| site: infer / train (ms) | site vs fastest infer / train |",
+             "|---|---|---|---|---|---|---|"]
     data = []
     for label, case in cases or _choice_cases():
         times, chosen = choice_row(label, case, log, device)
+        decisions = site_decisions(case, device)
+        site = site_times(times, decisions)
         ours = {k: v for k, v in times.items() if k not in ("chosen",) and not k.startswith("sdpa") and k != "inductor"}
         best = [min((v[i], k) for k, v in ours.items() if v[i] is not None) for i in (0, 1)]
         every = {k: v for k, v in times.items() if k != "chosen"}
         fastest = [min((v[i], k) for k, v in every.items() if v[i] is not None) for i in (0, 1)]
         c = times["chosen"]
         both = (fastest[0][0] + fastest[1][0]) / (c[0] + c[1])
+        train = min((v[0] + v[1], k) for k, v in every.items() if None not in v[:2])
+        site_vs = (fastest[0][0] / site["fwd"][1], train[0] / site["train"][1])
         lines.append(f"| {label} | {chosen['fwd']} {c[0]:.3f} / {chosen['bwd']} {c[1]:.3f} | "
                      f"{best[0][1]} {best[0][0]:.3f} / {best[1][1]} {best[1][0]:.3f} | "
                      f"{fastest[0][1]} {fastest[0][0]:.3f} / {fastest[1][1]} {fastest[1][0]:.3f} | "
-                     f"{fastest[0][0] / c[0]:.2f} / {fastest[1][0] / c[1]:.2f} / {both:.2f} |")
+                     f"{fastest[0][0] / c[0]:.2f} / {fastest[1][0] / c[1]:.2f} / {both:.2f} | "
+                     f"{site['fwd'][0]} {site['fwd'][1]:.3f} / {site['train'][0]} {site['train'][1]:.3f} | "
+                     f"{site_vs[0]:.2f} ({fastest[0][1]}) / {site_vs[1]:.2f} ({train[1]}) |")
         log(lines[-1])
         data.append({"row": label, "shape": list(case.shape), "bias": case.bias, "causal": case.causal,
-                     "dropout": case.dropout, "chosen": chosen, "ms": times})
+                     "dropout": case.dropout, "chosen": chosen, "ms": times,
+                     "site": {m: {"impl": site[m][0], "ms": site[m][1], "reason": decisions[m].reason}
+                              for m in site}, "site_vs_fastest": {"fwd": site_vs[0], "train": site_vs[1]}})
         if device == "cuda":
             torch.cuda.empty_cache()
     return lines, data

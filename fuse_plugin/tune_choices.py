@@ -71,6 +71,14 @@ CLASSES = {
     "llama-128": Case((1, 16, 4, 128, 128, 64, 64), "none", causal=True, seen="Llama 1x128 (shapes table)"),
     "llama-512-fp32": Case((8, 16, 4, 512, 512, 64, 64), "none", causal=True, dtype="float32",
                            seen="Llama 8x512 in float32 (shapes table, HF's default load dtype)"),
+    # attention dropout at length (the kernel table's dropout rows, benchmarks/attention.py --choice):
+    # cuDNN's dropout ran 1.6-1.8x our kernels (issue 28); an SDPA call is the candidate that has it
+    "drop-d64-4k": Case((4, 32, 32, 4096, 4096, 64, 64), "none", causal=True, dropout=0.1,
+                        seen="causal D64 4k, attention dropout 0.1 (kernel table)"),
+    "drop-d128-4k": Case((4, 16, 16, 4096, 4096, 128, 128), "none", causal=True, dropout=0.1,
+                         seen="causal D128 4k, attention dropout 0.1 (kernel table)"),
+    "gpt2-drop": Case((8, 12, 12, 1024, 1024, 64, 64), "none", causal=True, dropout=0.1,
+                      seen="GPT-2 small 8x1024, attention dropout 0.1 (HF's default attn_pdrop)"),
 }
 
 

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One device call (one H100 or H200, < 10 min): the never-slower kernel table (issue 28).
+#   bash benchmarks/device_choice_table.sh       (from the repo root; $OUT: where results go)
+# benchmarks/attention.py --choice: per row the op's chosen family and the site's decision (from the
+# shipped choice table, or $FUSE_PLUGIN_CHOICE_TABLE) against every family forced, SDPA's backends
+# and (small rows) Inductor: $OUT/choice.{md,json,log}. Prints errors, then the table.
+source "$(dirname "$0")/device_setup.sh"
+start=$(date +%s)
+( cd benchmarks && timeout ${CHOICE_LIMIT:-540} python3 attention.py --choice --out "$OUT/choice.md" \
+    --json "$OUT/choice.json" > "$OUT/choice.log" 2>&1 )
+echo "attention.py --choice rc=$? in $(( $(date +%s) - start )) s"
+grep -E "failed|Error|Traceback" "$OUT/choice.log" | cut -c1-200 | head -8
+[ -s "$OUT/choice.md" ] && cat "$OUT/choice.md" || grep "^|" "$OUT/choice.log" | tail -30
