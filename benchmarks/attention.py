@@ -301,7 +301,8 @@ def _sdpa_times(name, q, k, v, bias, case, scale, learned):
             return F.scaled_dot_product_attention(*leaves, attn_mask=b, dropout_p=case.dropout,
                                                   is_causal=case.causal, scale=scale, enable_gqa=gqa)
     try:
-        out = fwd()
+        with torch.no_grad():  # no autograd graph kept alive: one alive made the captured backward
+            out = fwd()       # sync with the default stream and fail its capture (H200, 2026-11-26)
         dout = torch.randn_like(out)
         grads = leaves + ([b] if learned else [])
         f = _device_ms(fwd)
