@@ -4,7 +4,14 @@
 # benchmarks/attention.py --choice: per row the op's chosen family and the site's decision (from the
 # shipped choice table, or $FUSE_PLUGIN_CHOICE_TABLE) against every family forced, SDPA's backends
 # and (small rows) Inductor: $OUT/choice.{md,json,log}. Prints errors, then the table.
+# TUNE=a,b: measure those classes into the shipped table (copied to $OUT) before the table.
 source "$(dirname "$0")/device_setup.sh"
+if [ -n "${TUNE:-}" ]; then  # classes (comma-separated) measured into the table first
+  timeout ${TUNE_LIMIT:-150} python3 -m fuse_plugin.tune --choices --classes "$TUNE" \
+    --out fuse_plugin/kernels/attention_choices_sm90.json > "$OUT/tune.log" 2>&1
+  echo "tune $TUNE rc=$?"; tail -3 "$OUT/tune.log" | cut -c1-200
+  cp fuse_plugin/kernels/attention_choices_sm90.json "$OUT/"
+fi
 start=$(date +%s)
 ( cd benchmarks && timeout ${CHOICE_LIMIT:-540} python3 attention.py --choice --out "$OUT/choice.md" \
     --json "$OUT/choice.json" > "$OUT/choice.log" 2>&1 )

@@ -77,6 +77,8 @@ CLASSES = {
                         seen="causal D64 4k, attention dropout 0.1 (kernel table)"),
     "drop-d128-4k": Case((4, 16, 16, 4096, 4096, 128, 128), "none", causal=True, dropout=0.1,
                          seen="causal D128 4k, attention dropout 0.1 (kernel table)"),
+    "keys-4k": Case((4, 16, 16, 4096, 4096, 128, 128), "keys",
+                    seen="D128 4k with a per-key (padding) bias (kernel table)"),
     "gpt2-drop": Case((8, 12, 12, 1024, 1024, 64, 64), "none", causal=True, dropout=0.1,
                       seen="GPT-2 small 8x1024, attention dropout 0.1 (HF's default attn_pdrop)"),
 }
