@@ -27,6 +27,10 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
     config_patches.update(options or {})
     if settings.rewrite_enabled():
         rewrite(gm)
+        if torch.distributed.is_available():  # under PyTorch's context_parallel(...): our sites to the ring
+            from .ops.context_parallel import route_if_distributed
+
+            route_if_distributed(gm)
     from torch._inductor import config
 
     from .inductor_attention import AttentionGatePass

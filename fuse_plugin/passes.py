@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -71,12 +72,29 @@ class FusePluginPass(CustomGraphPass):
             from .patterns import rewrite
 
             rewrite(gm)
+            if torch.distributed.is_available():  # under PyTorch's context_parallel(...): to the ring
+                from .ops.context_parallel import route_if_distributed
+
+                route_if_distributed(gm)
         for p in get_custom_graph_passes(self.chained):
             p(graph)
 
     def uuid(self) -> Any:
+        if _context_parallel_on():
+            # None: this pass then runs before AOTAutograd's cache lookup (Inductor's "early" timing),
+            # so a cache hit cannot skip the routing to the ring and the Dynamo guard it installs
+            return None
         return chained_uuid([source_hash(), settings.key(), f"suppressed={getattr(_suppress, 'on', False)}"],
                             self.chained)
+
+
+def _context_parallel_on() -> bool:
+    """Is PyTorch's context_parallel(...) active (ops/context_parallel.torch_context_parallel)?"""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from .ops.context_parallel import torch_context_parallel
+
+    return torch_context_parallel() is not None
 
 
 def _inductor_subgraph_call() -> bool:

@@ -15,8 +15,8 @@ how much). The reference is the same model run eagerly in one process on the who
 Compiled with `compile_model` below: the rewrite, then `route` (what fuse_plugin's backend is to
 call after its rewrite), then AOTAutograd with eager kernels ("rewrite_aot_eager"; no C++ compile,
 a few seconds), recording the forward and backward graphs AOTAutograd produced. The scenario
-"llama_inductor" compiles with the real backend instead, torch.compile(model, backend="fuse_plugin",
-options={"pre_grad_custom_pass": RoutePass()}) (Inductor, C++ on the CPU: ~20 s cold).
+"llama_inductor" compiles with the real backend instead, as a user does: torch.compile(model,
+backend="fuse_plugin"), whose rewrite routes by itself (Inductor, C++ on the CPU: ~20 s cold).
 """
 from __future__ import annotations
 
@@ -165,13 +165,13 @@ def scenario_llama(ctx):
 
 
 def scenario_llama_inductor(ctx):
-    """The same with the real backend, Inductor: backend="fuse_plugin" and RoutePass as the user's
-    pre-grad pass (the backend runs it after its own)."""
+    """The same with the real backend, Inductor, as a user writes it: backend="fuse_plugin" (the
+    backend routes right after its rewrite, backend.py; no option needed)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     model = tiny_llama()
-    fn = torch.compile(model, backend="fuse_plugin", options={"pre_grad_custom_pass": cp.RoutePass()})
+    fn = torch.compile(model, backend="fuse_plugin")
     facts = cp_train_step(ctx, fn, model)
     # then outside context_parallel, the same local shapes (L/W tokens): the guard recompiles, and the
     # caches (keyed on the routed graph) do not hand back the routed one
@@ -183,6 +183,15 @@ def scenario_llama_inductor(ctx):
     facts["outside_after"] = {"loss_rel_err": abs(got.item() - ref.item()) / abs(ref.item()),
                               "routed_counter": counters["fuse_plugin"]["ring_attention"]}
     return facts
+
+
+def scenario_llama_autopatch(ctx):
+    """The same with plain torch.compile(model) after `import fuse_plugin` (the automatic patch: the
+    rewrite and the routing run in our pre-grad pass, which under context_parallel gives no cache
+    key so that a cache hit cannot skip them, passes.FusePluginPass.uuid)."""
+    torch._dynamo.reset()
+    model = tiny_llama()
+    return cp_train_step(ctx, torch.compile(model), model)
 
 
 def scenario_control(ctx):
@@ -346,6 +355,7 @@ def main():
                  "opcheck": scenario_opcheck}
     if os.environ.get("FUSE_PLUGIN_CP_INDUCTOR", "1") != "0":
         scenarios["llama_inductor"] = scenario_llama_inductor
+        scenarios["llama_autopatch"] = scenario_llama_autopatch
     run_scenarios(scenarios, ctx, rank, out_dir)
 
 

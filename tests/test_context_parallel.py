@@ -26,8 +26,8 @@ tests/cp_compile_worker.py (compiled, under PyTorch's `context_parallel(...)`):
   eager kernels) under context_parallel(mesh, buffers=[ids, labels, positions]) equals the
   single-process run: loss (rel ≤ 1e-5) and every parameter gradient summed over the ranks
   (rel ≤ 1e-4); one graph, no break, both layers' attention one ring call each way, the buffers in
-  the head-tail order; the same with the real backend (backend="fuse_plugin", Inductor, RoutePass
-  as its pre-grad pass; FUSE_PLUGIN_CP_INDUCTOR=0 skips it); without routing the loss is wrong
+  the head-tail order; the same with the real backend (backend="fuse_plugin", Inductor, which routes
+  after its rewrite; FUSE_PLUGIN_CP_INDUCTOR=0 skips it); without routing the loss is wrong
   (the control);
 * a graph compiled inside context_parallel is not reused outside, nor the other way round, where
   the local shapes agree (the guard), and every call is right;
@@ -196,7 +196,7 @@ def test_compiled_llama_under_context_parallel_equals_one_process(compiled):
 
 
 def test_compiled_llama_under_context_parallel_with_the_real_backend(compiled):
-    """backend="fuse_plugin" (Inductor, C++ on the CPU) with RoutePass as the pre-grad pass; then
+    """backend="fuse_plugin" (Inductor, C++ on the CPU), nothing else asked of the user; then
     outside context_parallel with the same local shapes, a right (unrouted) result."""
     if "llama_inductor" not in compiled[0]:
         pytest.skip("FUSE_PLUGIN_CP_INDUCTOR=0")
@@ -204,6 +204,14 @@ def test_compiled_llama_under_context_parallel_with_the_real_backend(compiled):
         _assert_parity(f)
         after = f["outside_after"]  # then outside, the same local shapes: recompiled unrouted, right
         assert after["loss_rel_err"] <= LOSS_TOL and after["routed_counter"] == 2, after
+
+
+def test_compiled_llama_under_context_parallel_with_the_automatic_patch(compiled):
+    """Plain torch.compile(model) after `import fuse_plugin` (Inductor): the same parity."""
+    if "llama_autopatch" not in compiled[0]:
+        pytest.skip("FUSE_PLUGIN_CP_INDUCTOR=0")
+    for f in facts(compiled, "llama_autopatch"):
+        _assert_parity(f)
 
 
 def test_without_routing_the_loss_is_wrong(compiled):

@@ -222,3 +222,19 @@ def test_windows_left_to_inductor_by_rule_where_unmeasured(monkeypatch):
     measured = {"fwd": {"small": 1.0}, "bwd": {"small": 2.0}, "inductor": {"fwd": 2.0, "train": 5.0}}
     monkeypatch.setattr(choice_table, "lookup", lambda device, k: measured)
     assert choice.decide(site).ours  # the table: ours 1 + 2 < Inductor's 5
+
+
+def test_a_gpu_set_measured_for_some_classes_adds_to_the_others(tmp_path):
+    """entries_of: the running GPU's own set first; a class it lacks comes from the first other set
+    that has it (a set tuned for one class on another GPU hides nothing)."""
+    path = tmp_path / "choices.json"
+    a = {"fwd": {"general": 1.0}}
+    b = {"fwd": {"general": 2.0}}
+    c = {"fwd": {"general": 3.0}}
+    path.write_text(json.dumps({"format": choice_table.FORMAT, "gpus": {
+        "GPU A": {"entries": {"k1": a, "k2": a}}, "GPU B": {"entries": {"k2": b, "k3": b}},
+        "GPU C": {"entries": {"k3": c}}}}))
+    assert choice_table.entries_of(path, "GPU C") == {"k1": a, "k2": a, "k3": c}
+    assert choice_table.entries_of(path, "GPU B") == {"k1": a, "k2": b, "k3": b}
+    assert choice_table.entries_of(path, "Other") == {"k1": a, "k2": a, "k3": b}
+    assert choice_table.entries_of(tmp_path / "missing.json", "GPU A") == {}

@@ -7,8 +7,8 @@ first: where the problem's class was measured on this GPU, the fastest candidate
 problem wins; elsewhere their rules apply.
 
 A table ships per compute capability (``attention_choices_sm<cc>.json``), one entry set per GPU
-name it was measured on (a lookup takes the running GPU's name, else the first set of its
-capability), written by ``python -m fuse_plugin.tune --choices`` (tune.py). An entry::
+name it was measured on (a lookup takes the running GPU's own set, and for a class it lacks the
+first other set of its capability that has it), written by ``python -m fuse_plugin.tune --choices`` (tune.py). An entry::
 
     "<class key>": {"shape": [B, Hq, Hkv, Lq, Lk, D, Dv],
                     "fwd": {"<family>": us}, "bwd": {"<family>": us},
@@ -95,7 +95,9 @@ def _entries(device_index: int, env: Optional[str]) -> dict:
 
 
 def entries_of(path, gpu_name: str) -> dict:
-    """The entry set of ``gpu_name`` (else the file's first) in a table file; {} without one."""
+    """The entries a GPU named ``gpu_name`` reads from a table file: its own set's, and for each
+    class its set lacks, the entry of the first other set that has it (file order); {} without a
+    table. (A set measured for a few classes alone then adds to the others instead of hiding them.)"""
     try:
         with open(path) as f:
             table = json.load(f)
@@ -104,8 +106,12 @@ def entries_of(path, gpu_name: str) -> dict:
     if not isinstance(table, dict) or table.get("format") != FORMAT:
         return {}
     gpus = table.get("gpus") or {}
-    chosen = gpus.get(gpu_name) or next(iter(gpus.values()), None) or {}
-    return chosen.get("entries") or {}
+    merged: dict = {}
+    for name, entry_set in reversed(list(gpus.items())):  # the earlier sets win among the others
+        if name != gpu_name and isinstance(entry_set, dict):
+            merged.update(entry_set.get("entries") or {})
+    merged.update((gpus.get(gpu_name) or {}).get("entries") or {})
+    return merged
 
 
 def clear_cache() -> None:

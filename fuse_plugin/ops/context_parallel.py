@@ -600,6 +600,17 @@ def _site_refusal(node, values: dict, why: str) -> ContextParallelError:
         f"would be wrong.")
 
 
+def route_if_distributed(gm) -> int:
+    """`route` where context parallelism can be on or come on: torch.distributed initialised (a
+    DeviceMesh, which context_parallel(...) needs, requires it). Elsewhere nothing is walked and no
+    guard is added (a model compiled before init_process_group and run under context_parallel
+    later is not guarded; stock compile does not guard that either). Called by both entry points
+    right after the rewrite (backend.py, passes.FusePluginPass)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    return route(gm)
+
+
 def route(gm) -> int:
     """Route the attention sites of a rewritten graph to the ring while PyTorch's context
     parallelism is on; returns how many were routed. Run it on the graph the rewrite produced
