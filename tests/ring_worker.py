@@ -41,6 +41,17 @@ CASES = {
     # the op's kernels (Triton's interpreter): their backward reads the global out/lse it is passed
     "kernels_gqa_causal_balanced": (1, 2, 1, 8, 16, True, True, "triton"),
     "kernels_noncausal": (1, 2, 1, 8, 16, False, True, "triton"),
+    # masks (issue 32's second part): a sliding window (local 8: chunks of 4 balanced; windows that
+    # hide whole remote chunks, cut them, or fit in one), a dense bias sharded with the queries
+    "window_balanced": (1, 4, 2, 8, 16, True, True, "reference", 3),
+    "window_balanced_wide": (1, 2, 2, 8, 16, True, True, "reference", 6),
+    "window_contiguous": (1, 2, 1, 8, 16, True, False, "reference", 5),
+    "window_two": (1, 2, 2, 8, 16, True, True, "reference", 2),  # (1: dq, dk are exactly 0)
+    "bias_noncausal": (2, 2, 2, 8, 16, False, True, "reference", 0, True),
+    "bias_window_balanced": (1, 2, 1, 8, 16, True, True, "reference", 5, True),
+    "kernels_window_balanced": (1, 2, 1, 8, 16, True, True, "triton", 3),
+    "kernels_bias_causal": (1, 2, 1, 8, 16, True, False, "triton", 0, True),
+    "padding_causal_balanced": (2, 2, 2, 8, 16, True, True, "reference", 0, "keys"),  # (B, 1, 1, L) padding
 }
 
 
@@ -55,21 +66,38 @@ def full_problem(B, Hq, Hkv, L, D, seed=0):
     return q, k, v, torch.randn(B, Hq, L, D, generator=g)
 
 
-def run_case(ctx, B, Hq, Hkv, local, D, causal, balanced, impl):
+def run_case(ctx, B, Hq, Hkv, local, D, causal, balanced, impl, window=0, with_bias=False):
     rank, ws = ctx["rank"], ctx["ws"]
     scale = D ** -0.5
-    q, k, v, dout = full_problem(B, Hq, Hkv, local * ws, D)
+    L = local * ws
+    q, k, v, dout = full_problem(B, Hq, Hkv, L, D)
+    # a dense float bias over the whole sequence (B, Hq, L, L), with some -inf (a mask)
+    bias = rows = None
+    if with_bias == "keys":  # a padding bias over the keys (B, 1, 1, L): the last keys of sequence 0 padded
+        bias = torch.zeros(B, 1, 1, L)
+        bias[0, ..., L - L // 4:] = float("-inf")
+    elif with_bias:
+        g = torch.Generator().manual_seed(7)
+        bias = torch.randn(B, Hq, L, L, generator=g).masked_fill(torch.rand(B, Hq, L, L, generator=g) < 0.2,
+                                                                  float("-inf"))
+        bias.diagonal(dim1=-2, dim2=-1).zero_()  # every row keeps its own key (a row with none: NaN, as eager)
+        if causal:
+            bias = bias.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), 0.0)
+    extra = (0.0, None, window) if window else ()
     with _dispatch.cpu_kernels(impl):
         ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref_out, ref_lse = torch.ops.fuse_plugin.attention(*ref_in, None, 0.0, causal, scale)
+        ref_out, ref_lse = torch.ops.fuse_plugin.attention(*ref_in, bias, 0.0, causal, scale, None, *extra)
         ref_out.backward(dout)
 
         def shard(t):
             return ring.shard_sequence(t, rank, ws, load_balanced=balanced)
 
         mine = [shard(t).requires_grad_() for t in (q, k, v)]
+        if bias is not None:  # this rank's query rows (a per-key bias: its one row), key columns in global order
+            rows = bias if bias.shape[2] == 1 else shard(bias)
         t0 = time.perf_counter()
-        out, lse = ring.ring_attention(*mine, is_causal=causal, scale=scale, load_balanced=balanced)
+        out, lse = ring.ring_attention(*mine, is_causal=causal, scale=scale, load_balanced=balanced, window=window,
+                                       bias=rows)
         out.backward(shard(dout))
         seconds = time.perf_counter() - t0
     names = ("dq", "dk", "dv")

@@ -83,6 +83,11 @@ CASES = {  # scenario: the block backward that runs (the op's kernels, or the pl
     "noncausal": False, "causal_balanced": False, "causal_contiguous": False, "gqa_causal_balanced": False,
     "gqa_causal_contiguous": False, "uneven_balanced": False, "uneven_contiguous": False,
     "kernels_gqa_causal_balanced": True, "kernels_noncausal": True,
+    # masks: a sliding window (whole remote chunks hidden, chunks cut by it, a window of 2), a dense
+    # bias sharded with the queries (with -inf entries), both
+    "window_balanced": False, "window_balanced_wide": False, "window_contiguous": False, "window_two": False,
+    "bias_noncausal": False, "bias_window_balanced": False, "kernels_window_balanced": True,
+    "kernels_bias_causal": True, "padding_causal_balanced": False,
 }
 
 
@@ -201,6 +206,77 @@ def test_load_balanced_causal_work_is_equal_and_one_call_per_step(ws):
     # contiguous shards: the last rank computes every block, the first only its own
     assert [len(ring.step_calls(0, ws, s, 8, True, False)) for s in range(ws)] == [1] + [0] * (ws - 1)
     assert [len(ring.step_calls(ws - 1, ws, s, 8, True, False)) for s in range(ws)] == [1] * ws
+
+
+def _windowed_pairs(rank, ws, chunk, balanced, window):
+    """{(query position, key position)} a windowed plan of `rank` leaves visible after each call's
+    own masks (the op's causal window on a diagonal pair, the band's -inf on a cut pair), and the
+    number of (query, key) cells its calls compute (hidden ones included)."""
+    local = chunk * (2 if balanced else 1)
+    positions = [ring.shard_positions(local, r, ws, load_balanced=balanced).tolist() for r in range(ws)]
+    seen, twice, cells = set(), False, 0
+    for step in range(ws):
+        src = (rank - step) % ws
+        for call in ring.step_calls(rank, ws, step, local, True, balanced, window):
+            qs, ks = range(local)[call.q], range(local)[call.k]
+            cells += len(qs) * len(ks)
+            assert call.k_cols is not None and call.k_cols.stop - call.k_cols.start == len(ks)
+            assert list(range(ws * local))[call.k_cols] == sorted(positions[src][j] for j in ks)  # bias columns
+            for a, i in enumerate(qs):
+                for b, j in enumerate(ks):
+                    if call.causal and (b > a or a - b >= call.window):
+                        continue
+                    if call.band is not None and call.band + a - b >= call.window:
+                        continue
+                    pair = (positions[rank][i], positions[src][j])
+                    twice |= pair in seen
+                    seen.add(pair)
+    return seen, twice, positions[rank], cells
+
+
+@pytest.mark.parametrize("balanced", [True, False])
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 5, 7, 100])
+@pytest.mark.parametrize("ws", [1, 2, 3, 4])
+def test_windowed_plan_computes_each_visible_pair_once_and_skips_hidden_chunks(ws, window, balanced):
+    """Under a sliding window every (query, key) pair with 0 <= i - j < window is computed exactly
+    once, none other survives the calls' masks, and a chunk pair the window hides entirely is never
+    called (the calls' cells stay within the window's reach)."""
+    chunk = 3
+    for rank in range(ws):
+        seen, twice, mine, cells = _windowed_pairs(rank, ws, chunk, balanced, window)
+        total = chunk * ws * (2 if balanced else 1)
+        visible = {(i, j) for i in mine for j in range(total) if 0 <= i - j < window}
+        assert not twice and seen == visible, (rank, sorted(seen ^ visible)[:5])
+        # no call on a chunk pair without a visible cell: at most the chunks each query's window touches
+        assert cells <= len(mine) * chunk * (2 + (window - 1) // chunk), (rank, cells)
+
+
+def test_window_pair_kinds():
+    """Chunks of 4: the causal window of 5 cuts (3, 2) (distances 1..7), hides (3, 1) (5..11),
+    keeps (2, 1) whole with a window of 8 (1..7), and leaves the causal kinds alone."""
+    kind = ring.window_pair_kind
+    assert kind(3, 2, 4, True, 5) == ring.BAND and kind(3, 1, 4, True, 5) == ring.HIDDEN
+    assert kind(2, 1, 4, True, 8) == ring.FULL and kind(2, 2, 4, True, 5) == ring.DIAGONAL
+    assert kind(1, 2, 4, True, 5) == ring.HIDDEN and kind(3, 1, 4, True, 0) == ring.FULL
+
+
+def test_mask_arguments_are_checked():
+    """Clear errors, without processes: a window without is_causal or not an int, a bias of the
+    wrong shape, one that requires grad, an odd load-balanced shard with a bias."""
+    q = torch.zeros(1, 2, 4, 8)
+    check = ring._check_mask
+    with pytest.raises(ValueError, match="needs is_causal=True"):
+        check(q, q, False, 3, None, 2)
+    with pytest.raises(ValueError, match="window must be an int >= 0"):
+        check(q, q, True, -1, None, 2)
+    with pytest.raises(ValueError, match=r"\(B\|1, Hq\|1, 4\|1, 8\)"):
+        check(q, q, True, 0, torch.zeros(1, 1, 4, 4), 2)
+    with pytest.raises(ValueError, match="requires grad"):
+        check(q, q, True, 0, torch.zeros(1, 1, 4, 8, requires_grad=True), 2)
+    with pytest.raises(ValueError, match="even shard length"):
+        check(torch.zeros(1, 2, 3, 8), q, False, 0, torch.zeros(1, 1, 3, 6), 2)
+    check(q, q, True, 3, torch.zeros(1, 2, 4, 8), 2)  # right: no error
+    check(q, q, True, 3, torch.zeros(1, 1, 1, 8), 2)  # a per-key (padding) bias, every query alike
 
 
 def test_block_calls_fall_back_to_one_call_per_visible_pair():

@@ -1,6 +1,7 @@
 """Ring attention: context parallelism over `fuse_plugin::attention` (issue 32, first part).
 
-    out, lse = ring_attention(q, k, v, is_causal=True, scale=None, group=None, load_balanced=True)
+    out, lse = ring_attention(q, k, v, is_causal=True, scale=None, group=None, load_balanced=True,
+                              window=0, bias=None)
 
     # the same without autograd, for callers that own the differentiation (ops/context_parallel.py):
     out, lse = ring_attention_forward(q, k, v, is_causal=..., scale=..., group=..., load_balanced=...)
@@ -53,6 +54,24 @@ logsumexp, lse' = logaddexp(lse, lse_b), out' = out·exp(lse - lse') + out_b·ex
 accumulated in float32 (float64 for float64 inputs), cast to q's dtype at the end. A row whose lse
 is -inf (no key visible, only possible once masks come) adds nothing to the merge.
 
+Masks (`window`, `bias`; issue 32's second part):
+  window (int, 0: none; needs is_causal): query i sees keys i-W+1..i over the global positions, the
+    op's sliding window. The plan then makes one op call per (query chunk, key chunk) pair
+    (`pair_calls`, `window_pair_kind`): a pair every one of whose distances i - j is >= W is HIDDEN
+    and never computed (at long context most remote blocks: with chunks of c tokens only the pairs
+    within W of the diagonal are called, so the ring's work follows the window, as the kernels'
+    does); the diagonal pair runs the op's causal window; an earlier pair entirely within W is
+    FULL; one the window cuts (BAND) runs with a (1, 1, c, c) -inf mask where d + i - j >= W (d the
+    chunks' distance; the op's own window is causal, top-left, and cannot say it).
+  bias (B|1, Hq|1, Lq|1, L): a dense additive bias (a mask: -inf hides) sharded with the queries:
+    this rank's rows in its shard order (1 row: the same for every query, a per-key padding bias),
+    every key column in GLOBAL order; each call reads its rows at its key chunk's global columns.
+    A constant: its gradient is not computed (a bias that requires grad is an error). Nothing is
+    skipped for a bias (it is not inspected on the host); with a bias `load_balanced` says the
+    shards' layout even without is_causal (the columns must be found).
+  Rows with no visible key in a block add nothing to the merge (lse -inf); a row with none at all
+  gives what the op gives (NaN, as eager).
+
 Backward (flash-attention's ring backward): with the GLOBAL out and lse, p = exp(s - lse) of a
 block is exactly that block's share of the full softmax and Delta = rowsum(dout ∘ out) is the full
 row's, so each block's backward gives exactly its share of dq and its full dk/dv for the local
@@ -85,10 +104,11 @@ dv within 5.9e-3 of max |ref| (MHA and GQA, causal balanced and contiguous, full
 chunks of 1000 tokens). The blocks run the op's chosen family (cuDNN there, fed the global out /
 lse in the backward).
 
-Not here (issue 32, later parts): masks (padding, windows, documents; dense biases sharded with the
-queries), dropout, q and k of different lengths (cross-attention), shards of different lengths
-across ranks (every rank must hold the same number of tokens; a mismatch is not detected locally and
-fails in the P2P transfer).
+Not here: document structure (not yet an op parameter, issue 31), windows or biases through
+`route` and the DTensor handlers (they refuse them: ContextParallelError / ShardingError), dropout,
+q and k of different lengths (cross-attention), shards of different lengths across ranks (every
+rank must hold the same number of tokens; a mismatch is not detected locally and fails in the P2P
+transfer), GPU timings of the windowed ring.
 """
 from __future__ import annotations
 
@@ -103,10 +123,10 @@ from ..kernels.host import in_layout_of, layout_like
 from .attention import _runs_kernel  # the op's own test for "the kernels run this call"
 
 __all__ = ["ring_attention", "ring_attention_forward", "ring_attention_backward", "shard_sequence",
-           "unshard_sequence", "shard_positions", "load_balance_indices", "block_calls", "BlockCall", "FULL",
-           "DIAGONAL", "HIDDEN"]
+           "unshard_sequence", "shard_positions", "load_balance_indices", "block_calls", "pair_calls", "BlockCall",
+           "FULL", "DIAGONAL", "HIDDEN", "BAND"]
 
-FULL, DIAGONAL, HIDDEN = "full", "diagonal", "hidden"
+FULL, DIAGONAL, HIDDEN, BAND = "full", "diagonal", "hidden", "band"
 
 
 # ----------------------------------------------------------------------------- layout
@@ -172,11 +192,19 @@ def unshard_sequence(x: Tensor, *, dim: int = 2, group=None, load_balanced: bool
 @dataclass(frozen=True)
 class BlockCall:
     """One op call of a ring step: local query rows `q` against rows `k` of the k/v block held
-    at that step, top-left causal inside that rectangle when `causal` (a diagonal pair)."""
+    at that step, top-left causal inside that rectangle when `causal` (a diagonal pair).
+    With a sliding window (`pair_calls`): `window` the window (the op's window argument for a
+    diagonal pair), `band` the global distance d of an off-diagonal pair's chunks cut by it (query
+    row i and key row j of the rectangle are d + i - j apart; those >= the window are hidden, by
+    a -inf mask: the op's window is causal, top-left), and
+    `k_cols` the key chunk's global columns (what a bias sharded with the queries is read at)."""
 
     q: slice
     k: slice
     causal: bool
+    window: int = 0
+    band: Optional[int] = None
+    k_cols: Optional[slice] = None
 
 
 def pair_kind(q_chunk: int, k_chunk: int, is_causal: bool) -> str:
@@ -210,12 +238,49 @@ def block_calls(q_chunks: Sequence[int], k_chunks: Sequence[int], chunk_len: int
     return [BlockCall(span(i, i), span(j, j), kinds[i, j] == DIAGONAL) for i, j in live]
 
 
+def window_pair_kind(q_chunk: int, k_chunk: int, chunk_len: int, is_causal: bool, window: int) -> str:
+    """pair_kind under a sliding window too (`window` 0: none): a pair whose every (query, key)
+    distance is >= the window is HIDDEN, one whose every distance is below it stays FULL, and an
+    off-diagonal pair cut by it is BAND."""
+    kind = pair_kind(q_chunk, k_chunk, is_causal)
+    if not window or kind != FULL or not is_causal:
+        return kind
+    d = (q_chunk - k_chunk) * chunk_len  # query row i, key row j: d + i - j apart
+    if d - (chunk_len - 1) >= window:
+        return HIDDEN
+    return FULL if d + chunk_len - 1 < window else BAND
+
+
+
+def pair_calls(q_chunks: Sequence[int], k_chunks: Sequence[int], chunk_len: int, is_causal: bool,
+               window: int = 0) -> list[BlockCall]:
+    """One op call per visible (query chunk, key chunk) pair, each with its key chunk's global
+    columns: the plan when a window or a bias is given (a window cuts pairs unevenly; a bias
+    sharded with the queries is read at the key chunk's columns). Hidden pairs are skipped."""
+    calls = []
+    for i, a in enumerate(q_chunks):
+        for j, b in enumerate(k_chunks):
+            kind = window_pair_kind(a, b, chunk_len, is_causal, window)
+            if kind == HIDDEN:
+                continue
+            rows, cols = slice(i * chunk_len, (i + 1) * chunk_len), slice(j * chunk_len, (j + 1) * chunk_len)
+            calls.append(BlockCall(rows, cols, kind == DIAGONAL, window if kind in (DIAGONAL, BAND) else 0,
+                                   (a - b) * chunk_len if kind == BAND else None,
+                                   slice(b * chunk_len, (b + 1) * chunk_len)))
+    return calls
+
+
 def step_calls(rank: int, world_size: int, step: int, local_len: int, is_causal: bool,
-               load_balanced: bool) -> list[BlockCall]:
-    """The calls of rank `rank` at ring step `step` (holding the block of rank (rank - step) mod W)."""
-    balanced = load_balanced and is_causal
+               load_balanced: bool, window: int = 0, per_pair: bool = False) -> list[BlockCall]:
+    """The calls of rank `rank` at ring step `step` (holding the block of rank (rank - step) mod W);
+    with a window or `per_pair` (a bias), one per visible chunk pair (`pair_calls`)."""
+    # (without is_causal and a bias any sharding computes alike; a bias's key columns are read at the
+    # key chunks' global places, so there the layout is the one the shards really have)
+    balanced = load_balanced and (is_causal or per_pair)
     q_chunks = chunks_of(rank, world_size, balanced)
     k_chunks = chunks_of((rank - step) % world_size, world_size, balanced)
+    if window or per_pair:
+        return pair_calls(q_chunks, k_chunks, local_len // len(q_chunks), is_causal, window)
     return block_calls(q_chunks, k_chunks, local_len // len(q_chunks), is_causal)
 
 
@@ -274,27 +339,54 @@ class _Ring:
 # ----------------------------------------------------------------------------- blocks
 
 
-def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _block_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, window: int = 0,
+                   bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The op on one rectangle: its partial (out, lse)."""
-    return torch.ops.fuse_plugin.attention(q, k, v, None, 0.0, causal, scale)
+    if window:
+        return torch.ops.fuse_plugin.attention(q, k, v, bias, 0.0, causal, scale, None, 0.0, None, window)
+    return torch.ops.fuse_plugin.attention(q, k, v, bias, 0.0, causal, scale)
 
 
 def _block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
-                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                    scale: float, window: int = 0, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of one rectangle from the GLOBAL out and lse of its rows (see the module doc)."""
     if _runs_kernel(q, v):
+        extra = (0.0, None, window) if window else ()
         dq, dk, dv, _ = torch.ops.fuse_plugin.attention_backward(
-            dout, q, k, v, None, out, lse.contiguous(), 0.0, causal, scale, None, False)
+            dout, q, k, v, bias, out, lse.contiguous(), 0.0, causal, scale, None, False, *extra)
         return dq, dk, dv
-    return _reference_block_backward(dout, q, k, v, out, lse, causal, scale)
+    return _reference_block_backward(dout, q, k, v, out, lse, causal, scale, window, bias)
+
+
+def _call_bias(call: BlockCall, bias: Optional[Tensor], q: Tensor) -> Optional[Tensor]:
+    """The additive bias of one call: the rows-sharded bias (B|1, H|1, Lq, L) at the call's rows
+    and its key chunk's global columns, plus for a band pair -inf where the distance d + i - j
+    reaches the window; None when neither."""
+    part = None if bias is None else bias[:, :, call.q if bias.shape[2] != 1 else slice(None), call.k_cols]
+    if call.band is None:
+        return part
+    n_q, n_k = call.q.stop - call.q.start, call.k.stop - call.k.start
+    i = torch.arange(n_q, device=q.device)[:, None]
+    j = torch.arange(n_k, device=q.device)[None, :]
+    dtype = bias.dtype if bias is not None else q.dtype
+    band = torch.zeros(n_q, n_k, dtype=dtype, device=q.device).masked_fill(
+        call.band + i - j >= call.window, float("-inf"))[None, None]
+    return band if part is None else part + band
+
+
+def _op_window(call: BlockCall) -> int:
+    """The op's window argument of a call: the window on a diagonal (causal) pair, else 0."""
+    return call.window if call.causal else 0
 
 
 def _reference_block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                              causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                              causal: bool, scale: float, window: int = 0,
+                              bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """The kernels' block backward in plain torch: p = exp(s - lse), Delta = rowsum(dout ∘ out)
     with the lse and out given (rows whose lse is -inf add nothing); GQA by grouping the q heads
     of each kv head ((B, Hkv, G, L, ·) views), never repeating k/v. Float32 math (float64 for
-    float64 inputs), results in the inputs' dtypes."""
+    float64 inputs), results in the inputs' dtypes. `bias` added to the scores, `window` (with
+    causal) hides keys i - j >= window."""
     ct = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else torch.float32
     b, hq, lq, d = q.shape
     hkv, lk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
@@ -303,10 +395,19 @@ def _reference_block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     kk, vv = k.to(ct).unsqueeze(2), v.to(ct).unsqueeze(2)
     do = dout.to(ct).reshape(b, hkv, g, lq, dv_)
     row_lse = lse.to(ct).reshape(b, hkv, g, lq, 1)
-    p = torch.exp(qg @ kk.transpose(-1, -2) * scale - row_lse)
-    hide = (row_lse == float("-inf"))
+    scores = qg @ kk.transpose(-1, -2) * scale
+    if bias is not None:  # (B|1, Hq|1, Lq, Lk) -> grouped like the scores
+        bb = bias.to(ct).expand(b, hq, lq, lk).reshape(b, hkv, g, lq, lk)
+        scores = scores + bb
+    p = torch.exp(scores - row_lse)
+    hide = (row_lse == float("-inf")) | (scores == float("-inf"))
     if causal:
-        hide = hide | ~torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        i = torch.arange(lq, device=q.device)[:, None]
+        j = torch.arange(lk, device=q.device)[None, :]
+        hidden = j > i
+        if window:
+            hidden = hidden | (i - j >= window)
+        hide = hide | hidden
     p = p.masked_fill(hide, 0.0)
     delta = (do * out.to(ct).reshape(b, hkv, g, lq, dv_)).sum(-1, keepdim=True)
     dv = (p.transpose(-1, -2) @ do).sum(2)
@@ -338,7 +439,7 @@ def _rows(t: Tensor, rows: slice) -> Tensor:
 
 
 def _ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, ring: _Ring,
-                  load_balanced: bool) -> tuple[Tensor, Tensor]:
+                  load_balanced: bool, window: int = 0, bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, lq, _ = q.shape
     out = q.new_zeros((b, lq, hq, v.shape[-1]), dtype=acc_dtype).transpose(1, 2)  # the op's layout
@@ -346,9 +447,9 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
     kv = [k, v]
     for step in range(ring.size):
         pending = ring.shift(kv) if step < ring.size - 1 else None  # the next block travels meanwhile
-        for call in step_calls(ring.rank, ring.size, step, lq, is_causal, load_balanced):
+        for call in step_calls(ring.rank, ring.size, step, lq, is_causal, load_balanced, window, bias is not None):
             out_b, lse_b = _block_forward(_rows(q, call.q), _rows(kv[0], call.k), _rows(kv[1], call.k),
-                                          call.causal, scale)
+                                          call.causal, scale, _op_window(call), _call_bias(call, bias, q))
             _merge(out, lse, call.q, out_b, lse_b)
         if pending is not None:
             kv = pending.wait()
@@ -356,7 +457,8 @@ def _ring_forward(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float
 
 
 def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool,
-                   scale: float, ring: _Ring, load_balanced: bool) -> tuple[Tensor, Tensor, Tensor]:
+                   scale: float, ring: _Ring, load_balanced: bool, window: int = 0,
+                   bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lq = q.shape[2]
     dq = layout_like(q, acc_dtype).zero_()
@@ -366,10 +468,10 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     for step in range(ring.size):
         pending = ring.shift(kv) if step < ring.size - 1 else None
         parts = []
-        for call in step_calls(ring.rank, ring.size, step, lq, is_causal, load_balanced):
+        for call in step_calls(ring.rank, ring.size, step, lq, is_causal, load_balanced, window, bias is not None):
             dq_b, dk_b, dv_b = _block_backward(_rows(dout, call.q), _rows(q, call.q), _rows(kv[0], call.k),
                                                _rows(kv[1], call.k), _rows(out, call.q), lse[:, :, call.q],
-                                               call.causal, scale)
+                                               call.causal, scale, _op_window(call), _call_bias(call, bias, q))
             _rows(dq, call.q).add_(dq_b)
             parts.append((call.k, dk_b, dv_b))
         # this block's dk/dv so far (from the ranks that held it before), waited for only now
@@ -388,20 +490,49 @@ def _ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, scale, group, load_balanced):
-        out, lse = _ring_forward(q, k, v, is_causal, scale, _Ring(group), load_balanced)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, is_causal, scale, group, load_balanced, window, bias):
+        out, lse = _ring_forward(q, k, v, is_causal, scale, _Ring(group), load_balanced, window, bias)
+        ctx.save_for_backward(q, k, v, out, lse, bias)
         ctx.is_causal, ctx.scale, ctx.group, ctx.load_balanced = is_causal, scale, group, load_balanced
+        ctx.window = window
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         # (dout is never None: autograd materialises zeros, so every rank runs the collective ring)
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, bias = ctx.saved_tensors
         dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, is_causal=ctx.is_causal, scale=ctx.scale,
-                                             group=ctx.group, load_balanced=ctx.load_balanced)
-        return dq, dk, dv, None, None, None, None
+                                             group=ctx.group, load_balanced=ctx.load_balanced, window=ctx.window,
+                                             bias=bias)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _check_mask(q: Tensor, k: Tensor, is_causal: bool, window: int, bias: Optional[Tensor], world_size: int,
+                load_balanced: bool = True) -> None:
+    """The window and the bias a ring takes (module doc, Masks)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"ring_attention: window must be an int >= 0 (0: none), got {window!r}")
+    if window and not is_causal:
+        raise ValueError(f"ring_attention: window={window} needs is_causal=True (query i sees keys i-W+1..i)")
+    if bias is None:
+        return
+    if load_balanced and q.shape[2] % 2:
+        raise ValueError(f"ring_attention: a bias with load-balanced shards (two chunks of equal length each) needs "
+                         f"an even shard length, got {q.shape[2]} (pass load_balanced=False for contiguous shards)")
+    rows, cols = q.shape[2], q.shape[2] * world_size
+    if (bias.dim() != 4 or bias.shape[0] not in (1, q.shape[0]) or bias.shape[1] not in (1, q.shape[1])
+            or bias.shape[2] not in (1, rows) or bias.shape[3] != cols):
+        raise ValueError(f"ring_attention: bias {tuple(bias.shape)} must be this rank's query rows of the whole "
+                         f"sequence's bias, (B|1, Hq|1, {rows}|1, {cols}): rows in the shard's order (1: the same "
+                         f"for every query, a per-key padding bias), key columns in global order "
+                         f"(q {tuple(q.shape)}, {world_size} ranks)")
+    if bias.requires_grad:
+        raise ValueError("ring_attention: the bias requires grad; the ring takes a bias as a constant mask (its "
+                         "gradient is not computed): pass bias.detach() if that is what you mean")
+    if bias.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64) or bias.device != q.device:
+        raise ValueError(f"ring_attention: bias must be a floating tensor on q's device, got {bias.dtype} on "
+                         f"{bias.device}")
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, load_balanced: bool) -> None:
@@ -427,29 +558,38 @@ def _check(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, load_balanced: bool
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float] = None,
-                   group=None, load_balanced: bool = True) -> tuple[Tensor, Tensor]:
+                   group=None, load_balanced: bool = True, window: int = 0,
+                   bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """This rank's (out, lse) of attention over the whole sequence from sequence-sharded q, k, v
-    (shapes, layout and numerics: the module doc). Collective over `group` (forward and backward)."""
+    (shapes, layout, masks and numerics: the module doc). Collective over `group` (forward and
+    backward)."""
     _check(q, k, v, is_causal, load_balanced)
+    pg = _resolve_group(group)
+    _check_mask(q, k, is_causal, window, bias, dist.get_world_size(pg), load_balanced)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, bool(is_causal), scale, _resolve_group(group), bool(load_balanced))
+    return _RingAttention.apply(q, k, v, bool(is_causal), scale, pg, bool(load_balanced), int(window), bias)
 
 
 def ring_attention_forward(q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: Optional[float] = None,
-                           group=None, load_balanced: bool = True) -> tuple[Tensor, Tensor]:
+                           group=None, load_balanced: bool = True, window: int = 0,
+                           bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """`ring_attention`'s forward without autograd: this rank's (out, lse), nothing recorded for a
     backward (the caller keeps out and lse and runs `ring_attention_backward`). For callers that
     own the differentiation, e.g. `fuse_plugin::attention` on sequence-sharded DTensors
     (ops/context_parallel.py), whose op autograd calls the backward op. Collective over `group`."""
     _check(q, k, v, is_causal, load_balanced)
+    pg = _resolve_group(group)
+    _check_mask(q, k, is_causal, window, None if bias is None else bias.detach(), dist.get_world_size(pg),
+                load_balanced)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():
-        return _ring_forward(q, k, v, bool(is_causal), scale, _Ring(_resolve_group(group)), bool(load_balanced))
+        return _ring_forward(q, k, v, bool(is_causal), scale, _Ring(pg), bool(load_balanced), int(window), bias)
 
 
 def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                             is_causal: bool, scale: Optional[float] = None, group=None,
-                            load_balanced: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                            load_balanced: bool = True, window: int = 0,
+                            bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """dq, dk, dv of this rank's shards (in q/k/v's memory order) from the output gradient `dout`
     and the rank's rows of the forward's GLOBAL out (B, Hq, Lq, Dv) and lse (B, Hq, Lq), as
     `ring_attention_forward` (or `ring_attention`) returned them: the ring backward of the module
@@ -461,7 +601,10 @@ def ring_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: 
         raise ValueError(f"ring_attention: dout {tuple(dout.shape)}, out {tuple(out.shape)} and lse "
                          f"{tuple(lse.shape)} must be this rank's rows of the forward's outputs: {rows} and "
                          f"{rows[:3]} for q {tuple(q.shape)} and v {tuple(v.shape)}")
+    pg = _resolve_group(group)
+    _check_mask(q, k, is_causal, window, None if bias is None else bias.detach(), dist.get_world_size(pg),
+                load_balanced)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     with torch.no_grad():
-        return _ring_backward(dout, q, k, v, out, lse, bool(is_causal), scale, _Ring(_resolve_group(group)),
-                              bool(load_balanced))
+        return _ring_backward(dout, q, k, v, out, lse, bool(is_causal), scale, _Ring(pg), bool(load_balanced),
+                              int(window), bias)
