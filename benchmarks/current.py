@@ -296,14 +296,45 @@ def distributed_section(data: dict) -> list[str]:
     return out
 
 
+def context_parallel_section(data: dict) -> list[str]:
+    c = data["context_parallel"]
+    out = ["### Context parallelism (issue 32)", "", f"{c['unit']}. " + setup_line(c["provenance"]), ""]
+    out += _table(["seq", "variant", "mode", "GPUs", "tokens/s per GPU", "peak GB per GPU", "loss vs 1-GPU"],
+                  [[r["seq"], r["variant"], r["mode"], r["gpus"],
+                    "OOM" if r["tokens_s_per_gpu"] is None else r["tokens_s_per_gpu"], r["peak_gb_per_gpu"],
+                    r["loss_vs_1gpu"]] for r in c["rows"]])
+    ratios = ", ".join(f"{seq // 1024}k {x:.2f}x" for seq, x in cp_ratios(data).items())
+    out += ["", f"Ours over PyTorch's context parallelism + SDPA, tokens/s per GPU: {ratios}."]
+    return out
+
+
+def cp_ratios(data: dict) -> dict:
+    """{seq: our ring's tokens/s per GPU over PyTorch's CP + SDPA's} (the 2-GPU cp rows)."""
+    rows = [r for r in data["context_parallel"]["rows"] if r["mode"] == "cp"]
+    ours = {r["seq"]: r["tokens_s_per_gpu"] for r in rows if r["variant"].startswith("ours")}
+    theirs = {r["seq"]: r["tokens_s_per_gpu"] for r in rows if r["variant"].startswith("PyTorch")}
+    return {s: ours[s] / theirs[s] for s in sorted(ours) if s in theirs}
+
+
+def choice_section(data: dict) -> list[str]:
+    c = data["choice"]
+    out = ["### The never-slower kernel table (issue 28)", "", f"{c['unit']}. " + setup_line(c["provenance"]), ""]
+    out += _table(["row", "op's families fwd / bwd", "op ms fwd / bwd", "site infer", "site train", "fastest infer",
+                   "fastest train", "site vs fastest infer / train"],
+                  [[r["row"], r["chosen"], " / ".join(f"{x:.3f}" for x in r["chosen_ms"]), r["site_infer"],
+                    r["site_train"], r["fastest_infer"], r["fastest_train"],
+                    " / ".join(f"{x:.2f}" for x in r["site_vs_fastest"])] for r in c["rows"]])
+    return out
+
+
 def current_section(data: dict) -> str:
     """RESULTS.md's "Current results" (between the markers)."""
     lines = ["## Current results", "",
              "The latest recorded run of each benchmark; older runs, how each was made, and what was tried "
              "are in the history below (one section per stop). Generated from "
              "[results/current.json](results/current.json), which gives each entry's provenance.", ""]
-    for part in (kernels_section, shapes_section, zoo_section, e2e_section, window_section, generate_section,
-                 distributed_section):
+    for part in (kernels_section, choice_section, shapes_section, zoo_section, e2e_section, window_section,
+                 generate_section, distributed_section, context_parallel_section):
         lines += part(data) + [""]
     return "\n".join(lines).rstrip() + "\n"
 
