@@ -30,6 +30,7 @@ as above where they go through ``boolean`` / ``choice``):
 | FUSE_PLUGIN_FUZZ_BACKEND | aot_eager, inductor | the backend the fuzz cases compile with |
 | FUSE_PLUGIN_SPELLING_FUZZ | an int (16) | tests/test_spellings.py: how many random spellings |
 | FUSE_PLUGIN_DIST_BACKEND | rewrite_aot_eager, fuse_plugin | tests/test_distributed.py: the rewrite + AOTAutograd, or the real backend |
+| FUSE_PLUGIN_CP_INDUCTOR | 1, 0 | tests/test_context_parallel.py: 0 skips the Inductor scenarios (the real backend and plain torch.compile under context_parallel) |
 | FUSE_TUNE_DEVICE | cuda, cpu | ``python -m fuse_plugin.tune``: cpu is an interpreter dry run (tests) |
 
 Per thread, not in the environment: ``fuse_plugin.disabled()`` (no rewrite while it is active).

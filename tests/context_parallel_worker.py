@@ -22,7 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from dist_harness import run_scenarios  # noqa: E402
+from dist_harness import error_of as _error_of, run_scenarios  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fuse_plugin
 
@@ -112,14 +112,6 @@ def run_case(ctx, B, Hq, Hkv, L, D, causal, impl, dout_placement=None):
         facts[f"{name}_shape"] = list(m.grad.shape)
     facts["ref_grad_norms"] = [r.grad.norm().item() for r in ref_in]  # nonzero: the comparison means something
     return facts
-
-
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
-        return {"raised": type(e).__name__, "message": str(e)}
-    return {"raised": None, "message": ""}
 
 
 def without_handlers(fn):

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_harness import run_scenarios
+from dist_harness import error_of as _error_of, run_scenarios
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fuse_plugin
 
@@ -240,14 +240,6 @@ def scenario_guards(ctx):
                 loss = loss_of(fn(input_ids=ids, position_ids=positions).logits, labels, B * (L // ws - 1))
             errs.append(abs(loss.item() - ref.item()) / abs(ref.item()))
     return {"order": order, "loss_rel_errs": errs, "routed": backend.calls}
-
-
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
-        return {"raised": type(e).__name__, "message": str(e)}
-    return {"raised": None, "message": ""}
 
 
 def scenario_refusals(ctx):

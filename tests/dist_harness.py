@@ -68,3 +68,13 @@ def run_scenarios(scenarios: dict, ctx: dict, rank: int, out_dir: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown (gloo's threads have aborted it at exit)
+
+
+def error_of(fn) -> dict:
+    """What fn() raised, for a scenario to record and its test to judge: {"raised": the exception's
+    type name or None, "message": its text}."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None, "message": ""}

@@ -21,7 +21,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from dist_harness import run_scenarios  # noqa: E402
+from dist_harness import error_of as _error_of, run_scenarios  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fuse_plugin
 
@@ -173,14 +173,6 @@ def scenario_pytorch_layout(ctx):
         facts[f"{key}_positions_equal"] = torch.equal(ring.shard_sequence(torch.arange(L)[None, None, :, None], rank,
                                                                           ws, load_balanced=balanced).flatten(), pos)
     return facts
-
-
-def _error_of(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - recorded for the test to judge
-        return {"raised": type(e).__name__, "message": str(e)}
-    return {"raised": None, "message": ""}
 
 
 def scenario_errors(ctx):

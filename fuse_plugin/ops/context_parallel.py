@@ -696,12 +696,12 @@ def _check_site(node, values: dict, state: ContextParallelState) -> None:
 def _guard_create_fn(expected):
     """One create function per state (Dynamo dedups a guard by its source and create function)."""
 
-    def FUSE_PLUGIN_CONTEXT_PARALLEL(builder, guard):  # noqa: N802 - named as Dynamo's guard kinds
+    def fuse_plugin_context_parallel(builder, guard):
         builder.guard_manager.root.add_lambda_guard(
             lambda _: _state_key() == expected,
             [f"fuse_plugin: PyTorch's context parallelism is {'off' if expected is None else expected}"], None)
 
-    return FUSE_PLUGIN_CONTEXT_PARALLEL
+    return fuse_plugin_context_parallel
 
 
 def _install_guard(state: Optional[ContextParallelState]) -> bool:
