@@ -242,6 +242,28 @@ def scenario_guards(ctx):
     return {"order": order, "loss_rel_errs": errs, "routed": backend.calls}
 
 
+def scenario_sdpa_site(ctx):
+    """The choice for an SDPA call site while context_parallel is on: left as SDPA, for PyTorch's
+    ring (measured faster than ours), before the site is looked at; off again, the usual choice.
+    (Compiling one here is not possible: PyTorch's ring has no CPU SDPA kernel.)"""
+    from fuse_plugin.patterns import choice
+
+    dummy = torch.arange(2 * ctx["ws"]).repeat(1, 1)
+    before = choice._context_parallel_on()
+    with context(ctx["mesh"], dummy):
+        on = choice._context_parallel_on()
+        decision = choice.decide_sdpa(None)  # (the rule reads nothing of the site)
+        mine = choice.decide(_NoSdpaSite())  # a hand-written site: our op, for the ring
+    return {"before": before, "on": on, "after": choice._context_parallel_on(), "ours": decision.ours,
+            "as_sdpa": decision.as_sdpa, "reason": decision.reason, "hand_written_ours": mine.ours,
+            "hand_written_as_sdpa": mine.as_sdpa, "hand_written_reason": mine.reason}
+
+
+class _NoSdpaSite:
+    """A stand-in for a matched site: `choice.decide` takes the context-parallel rule before it
+    reads anything of the site."""
+
+
 def scenario_refusals(ctx):
     """Attention sites the ring does not take, compiled under context_parallel: the compile fails
     with a ContextParallelError naming the site and what it has (no local attention computed)."""
@@ -343,7 +365,7 @@ def main():
 
     ctx = {"rank": rank, "ws": ws, "mesh": init_device_mesh("cpu", (ws,))}
     scenarios = {"llama": scenario_llama, "control": scenario_control, "guards": scenario_guards,
-                 "refusals": scenario_refusals, "dtensor_compiled": scenario_dtensor_compiled,
+                 "refusals": scenario_refusals, "sdpa_site": scenario_sdpa_site, "dtensor_compiled": scenario_dtensor_compiled,
                  "opcheck": scenario_opcheck}
     if os.environ.get("FUSE_PLUGIN_CP_INDUCTOR", "1") != "0":
         scenarios["llama_inductor"] = scenario_llama_inductor

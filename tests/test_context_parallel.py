@@ -214,6 +214,18 @@ def test_compiled_llama_under_context_parallel_with_the_automatic_patch(compiled
         _assert_parity(f)
 
 
+def test_an_sdpa_site_under_context_parallel_stays_for_pytorchs_ring(compiled):
+    """While context_parallel is on, an SDPA call site is left as SDPA (PyTorch rings it, measured
+    faster than our ring) and a hand-written one goes to our op (for our ring); before and after,
+    the rule is off."""
+    for f in facts(compiled, "sdpa_site"):
+        assert (f["before"], f["on"], f["after"]) == (False, True, False), f
+        assert not f["ours"] and "PyTorch's context parallelism rings it" in f["reason"], f
+        # and a hand-written site goes to our op (for the ring), never Inductor or an SDPA call
+        assert f["hand_written_ours"] and not f["hand_written_as_sdpa"], f
+        assert "for the ring" in f["hand_written_reason"], f
+
+
 def test_without_routing_the_loss_is_wrong(compiled):
     """The control: the same compile without `route` (each rank attends to its own shard only)."""
     for f in facts(compiled, "control"):

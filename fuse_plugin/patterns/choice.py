@@ -27,6 +27,11 @@ cuDNN kernels) is a lower bound for the call as written, which those kernels do 
 no mask): our op wins ties up to ``MASKED_SDPA_TIE`` (H200: HF Llama 1x8192 with such a call, our
 op trains 1.72x faster, the table's times being 1250 vs 1253 us).
 
+Under PyTorch's `context_parallel(...)` (ops/context_parallel.py): a hand-written site is our op,
+which the ring then runs over the whole sequence (as written, or as an SDPA call, it would see one
+rank's shard), and an SDPA call site stays SDPA, which PyTorch's ring runs (measured faster than
+ours, issue 32).
+
 `FUSE_PLUGIN_SITE_CHOICE` (settings.site_choice): "ours" takes every site (CI's CPU tests),
 "inductor" none, "sdpa" makes every hand-written site that can be one an SDPA call (the fuzzer's
 check of that rewrite).
@@ -122,6 +127,8 @@ def decide(site) -> Decision:
         return Decision(False, f"left to Inductor ({settings.SITE_CHOICE}=inductor)")
     from .attention import why_not_sdpa  # (attention.py imports this module)
 
+    if _context_parallel_on():
+        return Decision(True, _OURS_UNDER_CP)
     no_sdpa = why_not_sdpa(site)
     if how == "sdpa":
         return Decision(True, f"as SDPA ({settings.SITE_CHOICE}=sdpa)", as_sdpa=True) if no_sdpa is None \
@@ -228,11 +235,36 @@ def decide_sdpa(site) -> Decision:
         return Decision(True, "")
     if how in ("inductor", "sdpa"):
         return Decision(False, f"left as SDPA ({settings.SITE_CHOICE}={how})")
+    if _context_parallel_on():
+        return Decision(False, _UNDER_CP)
     windowed = _window_rule(site)
     if windowed is not None:
         return windowed
     key, mode, device = class_of(site)
     return decide_sdpa_from(choice_table.lookup(device, key), mode, key, _dense_mask_dropped(site))
+
+
+# An SDPA call under PyTorch's context_parallel(...) is ringed by PyTorch (its wrapper makes q/k/v
+# sequence-sharded DTensors): measured faster than our ring over our op (issue 32, 2x H100, bf16,
+# 2026-11-26, e2e Llama: ours 0.93 / 0.96 / 0.98x PyTorch's at 32k / 64k / 128k; both rings run the
+# same cuDNN kernels, ours pays more transfer and merge), so the call stays SDPA there.
+_UNDER_CP = ("left as SDPA: PyTorch's context parallelism rings it (measured 1.02-1.08x faster than our "
+             "ring, 2 H100s, issue 32)")
+
+
+# A hand-written site under context_parallel(...): PyTorch's context parallelism swaps SDPA only, so
+# the site as written (for Inductor) or an SDPA call made of it would attend within each rank's shard
+# alone; our op, routed to the ring (ops/context_parallel.route), attends over the whole sequence.
+_OURS_UNDER_CP = ("our op, for the ring: PyTorch's context parallelism is on, and left as it is (or as an SDPA "
+                  "call) the site would see only this rank's shard")
+
+
+def _context_parallel_on() -> bool:
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from ..ops.context_parallel import torch_context_parallel
+
+    return torch_context_parallel() is not None
 
 
 def decide_sdpa_from(times: Optional[dict], mode: str, key: Optional[str],
