@@ -37,6 +37,7 @@ from fuse_plugin.ops import context_parallel as cp  # noqa: E402
 from fuse_plugin.ops.ring_attention import shard_positions, shard_sequence  # noqa: E402
 
 B, L, VOCAB, LAYERS = 2, 32, 128, 2
+WINDOW = 5  # tiny Mistral's (chunks of L / 2W = 8 tokens at 2 ranks: it cuts adjacent chunks, hides farther ones)
 IGNORE = -100
 RING_FWD, RING_BWD = "fuse_plugin.ring_attention.default", "fuse_plugin.ring_attention_backward.default"
 
@@ -164,6 +165,32 @@ def scenario_llama(ctx):
     return facts
 
 
+def tiny_mistral(window=WINDOW):
+    import transformers
+
+    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                     num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                     max_position_embeddings=64, sliding_window=window)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5.0)
+    return model
+
+
+def scenario_mistral_window(ctx):
+    """A compiled tiny HF Mistral (sliding window 5, eager attention: the rewrite passes the window)
+    under context_parallel equals the single-process run: the ring computes the window over the
+    global positions, skipping the chunks it hides."""
+    torch._dynamo.reset()
+    model = tiny_mistral()
+    backend = Compiles()
+    facts = cp_train_step(ctx, torch.compile(model, backend=backend), model)
+    facts.update(fw_ring=[sum(t == RING_FWD for t in g) for g in backend.fw])
+    return facts
+
+
 def scenario_llama_inductor(ctx):
     """The same with the real backend, Inductor, as a user writes it: backend="fuse_plugin" (the
     backend routes right after its rewrite, backend.py; no option needed)."""
@@ -274,7 +301,7 @@ def scenario_refusals(ctx):
     bias = torch.randn(1, 1, 8, 8, generator=g)
     cases = {
         "bias": lambda: ops.attention(q, k, v, bias, 0.0, False, 0.25),
-        "window": lambda: ops.attention(q, k, v, None, 0.0, True, 0.25, None, 0.0, None, 4),
+        "dropout": lambda: ops.attention(q, k, v, None, 0.1, True, 0.25, torch.tensor(7)),
         "cross-attention": lambda: ops.attention(q, k[:, :, :4], v[:, :, :4], None, 0.0, False, 0.25),
     }
     facts = {}
@@ -365,7 +392,7 @@ def main():
 
     ctx = {"rank": rank, "ws": ws, "mesh": init_device_mesh("cpu", (ws,))}
     scenarios = {"llama": scenario_llama, "control": scenario_control, "guards": scenario_guards,
-                 "refusals": scenario_refusals, "sdpa_site": scenario_sdpa_site, "dtensor_compiled": scenario_dtensor_compiled,
+                 "refusals": scenario_refusals, "sdpa_site": scenario_sdpa_site, "mistral_window": scenario_mistral_window, "dtensor_compiled": scenario_dtensor_compiled,
                  "opcheck": scenario_opcheck}
     if os.environ.get("FUSE_PLUGIN_CP_INDUCTOR", "1") != "0":
         scenarios["llama_inductor"] = scenario_llama_inductor

@@ -31,7 +31,9 @@ tests/cp_compile_worker.py (compiled, under PyTorch's `context_parallel(...)`):
   (the control);
 * a graph compiled inside context_parallel is not reused outside, nor the other way round, where
   the local shapes agree (the guard), and every call is right;
-* sites the ring does not take (a bias, a window, cross-attention, HF's padding mask) refuse to
+* a compiled tiny HF Mistral (sliding window 5) under context_parallel equals one process: the
+  window reaches the ring; an SDPA call site stays for PyTorch's ring, a hand-written one is ours;
+* sites the ring does not take (a bias, dropout, cross-attention, HF's padding mask) refuse to
   compile under context_parallel with a ContextParallelError;
 * the op compiled on Shard(2) DTensors runs the ring's opaque ops (contiguous order outside
   context_parallel, load-balanced inside) and equals the single-process op; the opaque ops pass
@@ -214,6 +216,14 @@ def test_compiled_llama_under_context_parallel_with_the_automatic_patch(compiled
         _assert_parity(f)
 
 
+def test_compiled_mistral_with_a_sliding_window_under_context_parallel(compiled):
+    """A tiny HF Mistral (window 5) compiled under context_parallel: the window reaches the ring,
+    which applies it over the global positions (loss and gradients as one process)."""
+    for f in facts(compiled, "mistral_window"):
+        _assert_parity(f)
+        assert f["fw_ring"] and all(n == 2 for n in f["fw_ring"]), f
+
+
 def test_an_sdpa_site_under_context_parallel_stays_for_pytorchs_ring(compiled):
     """While context_parallel is on, an SDPA call site is left as SDPA (PyTorch rings it, measured
     faster than our ring) and a hand-written one goes to our op (for our ring); before and after,
@@ -241,7 +251,7 @@ def test_a_graph_is_not_reused_across_context_parallel_on_and_off(compiled):
         assert f["routed"] == [2, 0], f  # two compiles, then both graphs reused
 
 
-REFUSALS = {"bias": "attn_bias=", "window": "window=4", "cross-attention": "q has 8 tokens here and k 4",
+REFUSALS = {"bias": "attn_bias=", "dropout": "dropout_p=0.1", "cross-attention": "q has 8 tokens here and k 4",
             "hf padding mask": "attn_bias="}
 
 

@@ -109,7 +109,7 @@ plain local tensors): a silently wrong result. Hence `route(gm)`, run on the rew
     proves causal: is_causal, no bias). Like PyTorch's SDPA ring, it takes every attention of the
     graph for self-attention over the sharded sequence. A site the ring does not take raises a
     `ContextParallelError` at compile time naming the site and why (a mask or bias not proven causal,
-    e.g. a padding mask; dropout, softcap, a window; q and k of different lengths; rope_attention or
+    e.g. a padding mask; dropout, softcap; q and k of different lengths; rope_attention or
     attention_sinks; a mesh that is not 1-D or unknown: the dispatcher enabled without
     `context_parallel(mesh, ...)`), never the attention of a shard alone. Calls on DTensors are left
     to the handlers (1).
@@ -121,16 +121,20 @@ plain local tensors): a silently wrong result. Hence `route(gm)`, run on the rew
     sites: a graph compiled in one state recompiles in the other (tested with equal local shapes).
     It needs Dynamo's tracing context (route called from a backend or a pre-grad pass); under
     context parallelism it raises without it, off it skips the guard (logged).
-How to run it: `RoutePass()` is `route` as an Inductor pre-grad pass, and the fuse_plugin backend
-runs a user's pre-grad pass after its own rewrite, so `torch.compile(model, backend="fuse_plugin",
-options={"pre_grad_custom_pass": RoutePass()})` works as it is (Inductor). With the automatic patch
-(plain torch.compile) the user's pass replaces ours: pass `passes.FusePluginPass(RoutePass())`
-(tried by hand on the tests' Llama: the same parity). A backend of one's own calls `rewrite(gm);
-route(gm)` (the tests' rewrite + AOTAutograd with eager kernels). Calling `route` from the backend
-itself after its rewrite (backend.py, passes.py) would make it automatic.
+  * A sliding window (the op's `window`, e.g. HF Mistral's, proven by the rewrite) goes to the ring
+    with the site: it skips the remote chunks the window hides (ring_attention.py, Masks).
+How it runs: both entry points call `route_if_distributed` right after their rewrite (backend.py;
+passes.FusePluginPass, which gives no cache key while context parallelism is on, so that an
+AOTAutograd cache hit cannot skip the routing and its guard); with torch.distributed not
+initialised nothing is walked and no guard is added. The choice (patterns/choice.py) sends every
+hand-written site to our op while context parallelism is on, and leaves SDPA call sites to
+PyTorch's ring (measured faster than ours). `RoutePass()` is `route` as an Inductor pre-grad pass,
+for a backend of one's own; the tests' backend calls `rewrite(gm); route(gm)` (AOTAutograd with
+eager kernels).
 
-Not here (issue 32, later parts): masks and biases under the ring (padding, documents), dropout,
-softcap, windows, cross-attention, uneven shards, meshes of more than one dim (a CP dim beside
+Not here: biases under the ring in compiled graphs (padding, documents; ring_attention takes a dense
+bias sharded with the queries, but a graph's bias is built per rank over local positions), dropout,
+softcap, cross-attention, uneven shards, meshes of more than one dim (a CP dim beside
 DP/TP dims), rope_attention and attention_sinks sites under context parallelism (refused), PyTorch's
 module-wrapper mode (`_context_parallel_shard` + `_enable_context_parallel_dispatcher()` +
 `parallelize_module(..., _ContextParallel)`: no mesh to route plain-tensor sites to; refused), and
@@ -270,7 +274,7 @@ def _check_ring_arguments(op: str, values: dict, mesh) -> None:
                            ("replace", values.get("replace") is not None, "the ring takes no replace mask"),
                            ("dropout_p", bool(values.get("dropout_p")), "dropout is not drawn across shards"),
                            ("softcap", bool(values.get("softcap")), "the ring takes no softcap yet"),
-                           ("window", bool(values.get("window")), "the ring takes no sliding window yet")):
+                           ("window", bool(values.get("window")), "the ring takes no sliding window on DTensors yet")):
         if on:
             raise _refuse(op, values, f"{name}={_say(values[name])}{placed(name)} is given ({what})")
     q, k = values["q"], values["k"]
@@ -502,40 +506,41 @@ def _out_like(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
 @torch.library.custom_op("fuse_plugin::ring_attention", mutates_args=())
 def _ring_attention_op(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, group: str,
-                       load_balanced: bool) -> tuple[Tensor, Tensor]:
+                       load_balanced: bool, window: int = 0) -> tuple[Tensor, Tensor]:
     """ops/ring_attention.py's `ring_attention_forward` over the group named `group`: this rank's
-    (out, lse) of attention over the whole sequence from its shards q, k, v (B, H, L/W, D)."""
+    (out, lse) of attention over the whole sequence from its shards q, k, v (B, H, L/W, D);
+    `window` the sliding window (0: none; with is_causal)."""
     out, lse = ring_attention_forward(q, k, v, is_causal=is_causal, scale=scale, group=_group(group),
-                                      load_balanced=load_balanced)
+                                      load_balanced=load_balanced, window=window)
     fake_out, fake_lse = _out_like(q, v)
     return _like(out, fake_out), _like(lse, fake_lse)
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, is_causal, scale, group, load_balanced):
+def _(q, k, v, is_causal, scale, group, load_balanced, window=0):
     return _out_like(q, v)
 
 
 @torch.library.custom_op("fuse_plugin::ring_attention_backward", mutates_args=())
 def _ring_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                                 is_causal: bool, scale: float, group: str,
-                                load_balanced: bool) -> tuple[Tensor, Tensor, Tensor]:
+                                load_balanced: bool, window: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """`ring_attention_backward` over the group named `group`: dq, dk, dv laid out as q, k, v."""
     dq, dk, dv = ring_attention_backward(dout, q, k, v, out, lse, is_causal=is_causal, scale=scale,
-                                         group=_group(group), load_balanced=load_balanced)
+                                         group=_group(group), load_balanced=load_balanced, window=window)
     return _like(dq, layout_like(q, q.dtype)), _like(dk, layout_like(k, k.dtype)), _like(dv, layout_like(v, v.dtype))
 
 
 @_ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale, group, load_balanced):
+def _(dout, q, k, v, out, lse, is_causal, scale, group, load_balanced, window=0):
     return layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype)
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, is_causal, scale, group, load_balanced = inputs
+    q, k, v, is_causal, scale, group, load_balanced, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (is_causal, scale, group, load_balanced)
+    ctx.args = (is_causal, scale, group, load_balanced, window)
     ctx.mark_non_differentiable(lse)
 
 
@@ -543,7 +548,7 @@ def _ring_backward_formula(ctx, dout, _dlse):
     # (dout is never None: autograd materialises zeros, so every rank runs the collective backward)
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.fuse_plugin.ring_attention_backward.default(dout, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 _ring_attention_op.register_autograd(_ring_backward_formula, setup_context=_ring_setup_context)
@@ -638,7 +643,8 @@ def route(gm) -> int:
             new = sub.graph.call_function(
                 torch.ops.fuse_plugin.ring_attention.default,
                 (values["q"], values["k"], values["v"], bool(is_causal) if isinstance(is_causal, bool) else is_causal,
-                 float(scale) if isinstance(scale, (int, float)) else scale, state.group_name, state.load_balanced))
+                 float(scale) if isinstance(scale, (int, float)) else scale, state.group_name, state.load_balanced,
+                 int(values.get("window") or 0)))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         sub.graph.erase_node(node)
@@ -668,8 +674,7 @@ def _check_site(node, values: dict, state: ContextParallelState) -> None:
     for name, on, what in (("attn_bias", values.get("attn_bias") is not None, "a mask or bias, not proven causal"),
                            ("replace", values.get("replace") is not None, "a replace mask"),
                            ("dropout_p", bool(values.get("dropout_p")), "dropout"),
-                           ("softcap", bool(values.get("softcap")), "a softcap"),
-                           ("window", bool(values.get("window")), "a sliding window")):
+                           ("softcap", bool(values.get("softcap")), "a softcap")):
         if on:
             raise _site_refusal(node, values, f"the site has {what} ({name}={_say(_value(values[name]))})")
     q, k = _value(values["q"]), _value(values["k"])

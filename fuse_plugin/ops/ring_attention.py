@@ -104,8 +104,9 @@ dv within 5.9e-3 of max |ref| (MHA and GQA, causal balanced and contiguous, full
 chunks of 1000 tokens). The blocks run the op's chosen family (cuDNN there, fed the global out /
 lse in the backward).
 
-Not here: document structure (not yet an op parameter, issue 31), windows or biases through
-`route` and the DTensor handlers (they refuse them: ContextParallelError / ShardingError), dropout,
+Not here: document structure (not yet an op parameter, issue 31), biases through `route` and the
+DTensor handlers, windows through the DTensor handlers (they refuse them: ContextParallelError /
+ShardingError; `route` passes a window), dropout,
 q and k of different lengths (cross-attention), shards of different lengths across ranks (every
 rank must hold the same number of tokens; a mismatch is not detected locally and fails in the P2P
 transfer), GPU timings of the windowed ring.
