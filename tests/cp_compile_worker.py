@@ -47,11 +47,15 @@ def rel_err(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def tiny_llama():
+def tiny_llama(window=None):
+    """A tiny HF Llama (eager attention), or with `window` a tiny Mistral with that sliding window;
+    weights 5x HF's init (attention far from uniform)."""
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(**common) if window is None else \
+        transformers.MistralConfig(**common, sliding_window=window)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     with torch.no_grad():
@@ -165,26 +169,12 @@ def scenario_llama(ctx):
     return facts
 
 
-def tiny_mistral(window=WINDOW):
-    import transformers
-
-    cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                                     num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                                     max_position_embeddings=64, sliding_window=window)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(5.0)
-    return model
-
-
 def scenario_mistral_window(ctx):
     """A compiled tiny HF Mistral (sliding window 5, eager attention: the rewrite passes the window)
     under context_parallel equals the single-process run: the ring computes the window over the
     global positions, skipping the chunks it hides."""
     torch._dynamo.reset()
-    model = tiny_mistral()
+    model = tiny_llama(window=WINDOW)
     backend = Compiles()
     facts = cp_train_step(ctx, torch.compile(model, backend=backend), model)
     facts.update(fw_ring=[sum(t == RING_FWD for t in g) for g in backend.fw])
