@@ -51,6 +51,10 @@ Context parallelism (--cp; defaults: the e2e model's 12 layers, seq 16384, globa
           non-causal module. --ring direct calls `ring_attention` (its autograd.Function) from that
           function instead, under torch.compiler.disable: a graph break around every layer's
           attention, the ring eager (the same losses on the CPU).
+          --ring route is the user's path instead: HF's eager attention compiled with
+          backend="fuse_plugin" under PyTorch's `context_parallel(...)` (the inputs as PyTorch's
+          variant below gets them), whose rewrite fuses each layer's attention and routes it to the
+          library's ring ops (ops/context_parallel.route).
   sdpa+compile (PyTorch's)  the sdpa model under `torch.distributed.tensor.experimental.
           context_parallel(mesh, buffers=[ids, labels, positions], buffer_seq_dims=[1, 1, 1])`,
           entered once around all the steps: it shards the buffers in place in the same head-tail
@@ -154,10 +158,12 @@ def parse_args(argv=None):
                    help="inductor: the real backends (fuse_plugin / stock Inductor; the default); aot_eager: the "
                         "same Dynamo + AOTAutograd graphs with eager kernels, the plugin's rewrite included (the "
                         "default of --cp --cpu: seconds instead of minutes of C++ compiles); none: eager")
-    p.add_argument("--ring", choices=("op", "direct"), default="op",
+    p.add_argument("--ring", choices=("op", "direct", "route"), default="op",
                    help="--cp, ours: op = the ring inside two custom ops (one compiled graph; the default); "
                         "direct = ring_attention called from HF's attention function under "
-                        "torch.compiler.disable (a graph break around each layer's attention, the ring eager)")
+                        "torch.compiler.disable (a graph break around each layer's attention, the ring eager); "
+                        "route = the user's path: HF's eager attention compiled with backend='fuse_plugin' under "
+                        "PyTorch's context_parallel(...), whose fused sites the plugin routes to its ring")
     p.add_argument("--sdpa-repeat-kv", action="store_true",
                    help="the sdpa model repeats k/v to the q heads before SDPA (HF's path with a mask) instead of "
                         "SDPA's enable_gqa: a fallback should an SDPA backend refuse GQA under PyTorch's CP")
@@ -235,7 +241,7 @@ def build(args, variant, mode, device):
     torch.manual_seed(0)  # the same weights in every run and on every rank
     if variant == "sdpa+compile":
         attn = register_sdpa_cp() if mode in ("cp", "1-GPU") and args.cp else "sdpa"
-    elif mode == "cp":
+    elif mode == "cp" and args.ring != "route":
         attn = register_ring_attention()
     else:
         attn = "eager"
@@ -278,9 +284,11 @@ def _rewrite_aot_eager(gm, example_inputs):
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
+    from fuse_plugin.ops.context_parallel import route_if_distributed
     from fuse_plugin.patterns import rewrite
 
     rewrite(gm)
+    route_if_distributed(gm)  # (as the backend: under PyTorch's context_parallel, --ring route)
     compiler = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)(gm, example_inputs)
 
@@ -487,7 +495,7 @@ def cp_batch(args, variant, ids_global, mesh, device):
     b, length = ids_global.shape
     labels = torch.full_like(ids_global, IGNORE)
     labels[:, :-1] = ids_global[:, 1:]
-    if variant == "fuse_plugin":
+    if variant == "fuse_plugin" and args.ring != "route":
         ids = shard_sequence(ids_global, rank, ws, dim=1)
         labels = shard_sequence(labels, rank, ws, dim=1)
         positions = shard_positions(length // ws, rank, ws, device=device).expand(b, -1)
