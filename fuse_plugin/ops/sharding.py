@@ -339,6 +339,10 @@ def _rules() -> dict[str, _Rule]:
         "rope_attention_backward": (dict(rope, **bwd), "q", _rope_attention_backward_outputs, 4, qkv, "dropout_p"),
         "gluon_attention_forward": (dict(q="main", k="main", v="main"), "q", _attention_outputs, 4, qkv, None),
         "gluon_attention_backward": (dict(bwd, q="main", k="main", v="main"), "q", _like(*qkv), 4, qkv, None),
+        # the ring (ops/context_parallel.py) runs over each rank's local sequence shards with its own
+        # group: on DTensors replicated, batch- or head-sharded (a CP group beside TP), not Shard(2)
+        "ring_attention": (dict(q="main", k="main", v="main"), "q", _attention_outputs, 4, qkv, None),
+        "ring_attention_backward": (dict(bwd, q="main", k="main", v="main"), "q", _like(*qkv), 4, qkv, None),
         "rotary": (dict(rot, x="main"), "x", _like("x"), None, (), None),
         "rotary_backward": (dict(rot, grad="main"), "grad", _like("grad"), None, (), None),
         "rotary_qk": (dict(rot, q="main", k="main"), "q", _like("q", "k"), None, (), None),
@@ -377,6 +381,8 @@ def register() -> None:
         from torch.distributed.tensor.experimental import register_sharding
     except ImportError:  # pragma: no cover - a torch build without DTensor
         return
+    from . import context_parallel  # noqa: F401  (defines the ring's ops, which have rules here)
+
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name, rule in _rules().items():
         op = _op(name)
