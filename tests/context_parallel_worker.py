@@ -200,6 +200,31 @@ def scenario_unchanged(ctx):
     return facts
 
 
+def scenario_ring_op_rules(ctx):
+    """The ring's own ops on DTensors (their sharding rules, ops/sharding.py): head-sharded q/k/v
+    with a CP group of one rank each (a CP dim beside the TP one) run locally and equal the
+    attention op on the same DTensors, forward and backward; sequence-sharded ones are refused."""
+    from torch.distributed.tensor import Shard
+
+    mesh, ops = ctx["mesh"], torch.ops.fuse_plugin
+    solo = [dist.new_group([r]) for r in range(ctx["ws"])][ctx["rank"]]  # (every rank creates every group)
+    q, k, v, dout = full_problem(1, 4, 2, 8, 16, seed=4)
+
+    def run(fn):
+        ins = [dtensor(t, mesh, Shard(1), grad=True) for t in (q, k, v)]
+        out, _ = fn(*ins)
+        out.backward(dtensor(dout, mesh, Shard(1)))
+        return [out] + [t.grad for t in ins]
+
+    ring = run(lambda *a: ops.ring_attention(*a, True, 0.25, solo.group_name, False, 0))
+    plain = run(lambda *a: ops.attention(*a, None, 0.0, True, 0.25))
+    seq = _error_of(lambda: ops.ring_attention(*(dtensor(t, mesh, Shard(2)) for t in (q, k, v)), True, 0.25,
+                                               solo.group_name, False, 0))
+    return {"placements": [str(t.placements) for t in ring],
+            "rel_errs": [rel_err(a.to_local(), b.to_local()) for a, b in zip(ring, plain)],
+            "sequence_shard": seq}
+
+
 def scenario_registration(ctx):
     """register() is idempotent and its handlers survive PyTorch's context parallelism swapping
     the handler table in and out (registered before its module loaded, and while it is on)."""
@@ -236,7 +261,8 @@ def main():
     ctx = {"rank": rank, "ws": ws, "mesh": init_device_mesh("cpu", (ws,))}
     scenarios = {name: (lambda c, a=args: run_case(c, *a)) for name, args in CASES.items()}
     scenarios["dout_replicated"] = lambda c: run_case(c, *CASES["gqa_causal"], dout_placement=Replicate())
-    scenarios.update(errors=scenario_errors, unchanged=scenario_unchanged, registration=scenario_registration)
+    scenarios.update(errors=scenario_errors, unchanged=scenario_unchanged, registration=scenario_registration,
+                     ring_op_rules=scenario_ring_op_rules)
     run_scenarios(scenarios, ctx, rank, out_dir)
 
 

@@ -128,6 +128,16 @@ def test_other_placements_raise_the_rules_error_unchanged(results, case):
         assert "fuse_plugin::attention: argument 'q' has placement" in got["message"]
 
 
+def test_the_ring_ops_run_on_head_shards_and_refuse_sequence_shards(results):
+    """fuse_plugin::ring_attention (and its backward) on DTensors: head shards run locally (a CP
+    group of one rank: equal to the attention op), a sequence shard raises naming the op."""
+    for f in facts(results, "ring_op_rules"):
+        assert all(p == "(Shard(dim=1),)" for p in f["placements"]), f
+        assert max(f["rel_errs"]) <= 1e-6, f
+        c = f["sequence_shard"]
+        assert c["raised"] is not None and "fuse_plugin::ring_attention" in c["message"], c
+
+
 def test_without_the_handlers_the_sequence_shard_is_refused(results):
     for f in facts(results, "errors"):
         c = f["sequence-sharded, without the handlers"]
