@@ -52,6 +52,22 @@ def test_decide_from_takes_the_fastest_of_three():
     assert choice.decide_from(None, "fwd", "k", sdpa_ok=True) == choice.Decision(True, "")
 
 
+def test_a_measured_tie_keeps_the_sites_default():
+    """Within NOISE (2%) a measured difference is a tie: a hand-written site keeps our op, an SDPA
+    call stays SDPA; beyond it the faster one is taken (the llama-8k class measured SDPA 1267.0 vs
+    our 1267.1 us on the H200)."""
+    tie = {"fwd": {"cudnn": 347.3}, "bwd": {"cudnn": 919.8}, "sdpa": {"fwd": 346.4, "train": 1267.0},
+           "inductor": {"fwd": 4051.3, "train": 7899.4}}
+    d = choice.decide_from(tie, "train", "k", sdpa_ok=True)
+    assert d.ours and not d.as_sdpa and "a tie with SDPA within 2%" in d.reason
+    s = choice.decide_sdpa_from(tie, "train", "k")
+    assert not s.ours and s.reason.startswith("left as SDPA: measured a tie within 2%")
+    clear = dict(tie, sdpa={"fwd": 346.4, "train": 1200.0})  # SDPA 5.6% faster: taken
+    assert choice.decide_from(clear, "train", "k", sdpa_ok=True).as_sdpa
+    ours_clear = dict(tie, sdpa={"fwd": 346.4, "train": 1350.0})  # ours 6% faster: an SDPA call becomes ours
+    assert choice.decide_sdpa_from(ours_clear, "train", "k").ours
+
+
 # --------------------------------------------------------------------------- the rewrite
 
 

@@ -206,7 +206,7 @@ def decide_from(times: Optional[dict], mode: str, key: Optional[str], sdpa_ok: b
     us, families = ours
     others = {name: t for name, t in (("Inductor", inductor), ("SDPA", sdpa)) if t is not None}
     best = min(others, key=others.get)
-    if others[best] >= us:
+    if others[best] * NOISE >= us:  # (within the noise: our op, the default of a hand-written site)
         return _versus(ours, others[best], best, mode, key)
     where = f"{mode}, {key}"
     if best == "SDPA":
@@ -215,6 +215,13 @@ def decide_from(times: Optional[dict], mode: str, key: Optional[str], sdpa_ok: b
                               + f"; {where})", as_sdpa=True)
     return _versus(ours, inductor, "Inductor", mode, key)
 
+
+# Measured times within this ratio are a tie, and a tie keeps the site's default: our op for a
+# hand-written site, SDPA for an SDPA call. The table's medians (do_bench_cudagraph) repeat to
+# about 1% between runs; the H200 re-measure of stop 26 (issue 28) put SDPA 1.00x "faster" than
+# our op for the llama-8k class (1267.0 vs 1267.1 us), which without a margin would have flipped
+# the e2e model's 8k sites, measured whole at 1.65x / 1.70x with our op, on that noise.
+NOISE = 1.02
 
 # Our op against SDPA at ``is_causal`` for a call that passed a dense mask instead: ours is taken
 # up to this ratio (the llama-8k class: 344.1 vs 342.7 us forward, 1.004).
@@ -279,13 +286,21 @@ def decide_sdpa_from(times: Optional[dict], mode: str, key: Optional[str],
         return Decision(True, f"{ours[0] / sdpa:.3f}x SDPA's is_causal time ({ours[1]} {ours[0]:.1f} vs "
                               f"{sdpa:.1f} us; {mode}, {key}), and the call passes a dense mask, which "
                               f"SDPA's flash kernels do not take")
-    return _versus(ours, sdpa, "SDPA", mode, key)
+    return _versus(ours, sdpa, "SDPA", mode, key, default_ours=False)
 
 
-def _versus(ours: tuple, other: float, name: str, mode: str, key: Optional[str]) -> Decision:
-    """Our op against the measured alternative ``name`` (Inductor, SDPA): the faster one."""
+def _versus(ours: tuple, other: float, name: str, mode: str, key: Optional[str],
+            default_ours: bool = True) -> Decision:
+    """Our op against the measured alternative ``name`` (Inductor, SDPA): the faster one, the
+    site's default (``default_ours``: our op; else the alternative) where they are within NOISE."""
     us, families = ours
     where = f"{mode}, {key}"
+    if abs(us - other) <= (NOISE - 1) * min(us, other):
+        if default_ours:
+            return Decision(True, f"measured a tie with {name} within {NOISE - 1:.0%}, our op kept ({families} "
+                                  f"{us:.1f} vs {other:.1f} us; {where})")
+        return Decision(False, f"left as {name}: measured a tie within {NOISE - 1:.0%} ({other:.1f} vs {us:.1f} us "
+                               f"for {families}; {where})")
     if other < us:
         left = "left to Inductor" if name == "Inductor" else "left as SDPA"
         return Decision(False, f"{left}: measured {us / other:.2f}x faster ({other:.1f} vs {us:.1f} us "
