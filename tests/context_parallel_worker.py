@@ -22,7 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from dist_harness import error_of as _error_of, run_scenarios  # noqa: E402
+from dist_harness import error_of as _error_of, full_problem, rel_err, run_scenarios  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fuse_plugin
 
@@ -40,17 +40,6 @@ CASES = {
     # the op's kernels (Triton's interpreter): the ring's block backward reads the global out/lse
     "kernels_gqa_causal": (1, 2, 1, 16, 16, True, "triton"),
 }
-
-
-def rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def full_problem(B, Hq, Hkv, L, D, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, h, L, D, generator=g) for h in (Hq, Hkv, Hkv))
-    return q, k, v, torch.randn(B, Hq, L, D, generator=g)
 
 
 def dtensor(t, mesh, placement, grad=False):

@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from dist_harness import error_of as _error_of, run_scenarios
+from dist_harness import error_of as _error_of, rel_err, run_scenarios
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fuse_plugin
 
@@ -40,11 +40,6 @@ B, L, VOCAB, LAYERS = 2, 32, 128, 2
 WINDOW = 5  # tiny Mistral's (chunks of L / 2W = 8 tokens at 2 ranks: it cuts adjacent chunks, hides farther ones)
 IGNORE = -100
 RING_FWD, RING_BWD = "fuse_plugin.ring_attention.default", "fuse_plugin.ring_attention_backward.default"
-
-
-def rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def tiny_llama(window=None):

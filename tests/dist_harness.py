@@ -11,6 +11,8 @@ import sys
 import time
 import traceback
 
+import torch
+
 
 def spawn_ranks(worker: str, world: int, out, timeout: float, what: str) -> dict:
     """Run `worker` on `world` ranks (gloo over a file store in `out`); {rank: {scenario: result}}.
@@ -78,3 +80,16 @@ def error_of(fn) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded for the test to judge
         return {"raised": type(e).__name__, "message": str(e)}
     return {"raised": None, "message": ""}
+
+
+def rel_err(a, b) -> float:
+    """|a - b| / |b| (Frobenius norms, in float64)."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def full_problem(B, Hq, Hkv, L, D, seed=0):
+    """Seeded float32 q (B, Hq, L, D), k and v (B, Hkv, L, D) and an output gradient (B, Hq, L, D)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, L, D, generator=g) for h in (Hq, Hkv, Hkv))
+    return q, k, v, torch.randn(B, Hq, L, D, generator=g)

@@ -21,7 +21,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from dist_harness import error_of as _error_of, run_scenarios  # noqa: E402
+from dist_harness import error_of as _error_of, full_problem, rel_err, run_scenarios  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo, for fuse_plugin
 
@@ -53,17 +53,6 @@ CASES = {
     "kernels_bias_causal": (1, 2, 1, 8, 16, True, False, "triton", 0, True),
     "padding_causal_balanced": (2, 2, 2, 8, 16, True, True, "reference", 0, "keys"),  # (B, 1, 1, L) padding
 }
-
-
-def rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def full_problem(B, Hq, Hkv, L, D, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, h, L, D, generator=g) for h in (Hq, Hkv, Hkv))
-    return q, k, v, torch.randn(B, Hq, L, D, generator=g)
 
 
 def run_case(ctx, B, Hq, Hkv, local, D, causal, balanced, impl, window=0, with_bias=False):
