@@ -252,7 +252,7 @@ def choice_row(label, case, log, device="cuda"):
     from fuse_plugin.kernels import attention as K
     from fuse_plugin.kernels import registry
     from fuse_plugin.kernels.call import AttentionCall
-    from fuse_plugin.ops.attention import bias_4d, new_dropout_seed, whole_bias
+    from fuse_plugin.ops.attention import bias_4d, new_dropout_seed
     from fuse_plugin import tune_choices as tc
 
     B, Hq, Hkv, Lq, Lk, D, Dv = case.shape
@@ -280,11 +280,11 @@ def choice_row(label, case, log, device="cuda"):
                         times.setdefault(fam, [None, None])[direction == "bwd"] = _device_ms(fn)
                     except Exception as e:  # noqa: BLE001
                         log(f"{label}: {fam} {direction} failed: {e!r:.200}")
-    # SDPA's backends (k/v repeated for GQA by enable_gqa; a window-periodic bias materialised),
-    # and SDPA as a call site runs it: the backend torch picks ("sdpa")
-    sb = whole_bias(op_bias, q, k) if case.bias == "periodic" else op_bias
+    # SDPA's backends (k/v repeated for GQA by enable_gqa; a window-periodic bias materialised
+    # inside the timed call, as timm's fused path and tune_choices.sdpa_times build it), and SDPA
+    # as a call site runs it: the backend torch picks ("sdpa")
     for name in (*BACKENDS, None) if device == "cuda" else ():
-        t = _sdpa_times(name, q, k, v, sb, case, scale, learned)
+        t = _sdpa_times(name, q, k, v, op_bias, case, scale, learned)
         if t is not None:
             times[f"sdpa-{name}" if name else "sdpa"] = list(t)
     if max(Lq, Lk) <= 512:  # Inductor's decomposition materialises the scores: small rows only
@@ -294,17 +294,22 @@ def choice_row(label, case, log, device="cuda"):
 
 
 def _sdpa_times(name, q, k, v, bias, case, scale, learned):
+    from fuse_plugin.ops.attention import whole_bias
+
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     b = None if bias is None else bias.detach().requires_grad_(learned)
     gqa = q.shape[1] != k.shape[1]
 
+    def mask(b):
+        return whole_bias(b, q, k) if b is not None and case.bias == "periodic" else b
+
     def fwd():
         with sdpa_kernel(BACKENDS[name]) if name else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(*leaves, attn_mask=b, dropout_p=case.dropout,
+            return F.scaled_dot_product_attention(*leaves, attn_mask=mask(b), dropout_p=case.dropout,
                                                   is_causal=case.causal, scale=scale, enable_gqa=gqa)
     def infer():  # as a model in eval under no_grad: tensors that need no gradient (SDPA picks its
         with sdpa_kernel(BACKENDS[name]) if name else contextlib.nullcontext():  # backend by requires_grad)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=case.dropout,
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask(bias), dropout_p=case.dropout,
                                                   is_causal=case.causal, scale=scale, enable_gqa=gqa)
     try:
         with torch.no_grad():  # no autograd graph kept alive: one alive made the captured backward

@@ -7,6 +7,8 @@
 # 4. the timed pass writes $OUT/attention_choices_sm90.json (copy it to fuse_plugin/kernels/).
 source "$(dirname "$0")/device_setup.sh"
 CLASSES=$(python3 -c "from fuse_plugin.tune_choices import CLASSES; print(' '.join(CLASSES))")
+# ONLY (comma-separated): measure just these classes (the others keep their shipped entries)
+[ -n "${ONLY:-}" ] && CLASSES=${ONLY//,/ }
 # FIRST (comma-separated): classes the timed pass measures first (a pass cut by its limit keeps them)
 ORDER=$(python3 -c "import sys; f=[c for c in sys.argv[1].split(',') if c]; print(','.join(f + [c for c in sys.argv[2:] if c not in f]))" "${FIRST:-}" $CLASSES)
 i=0; declare -a part=("" "" "" "")
@@ -15,7 +17,8 @@ for p in "${part[@]}"; do
   timeout ${WARM_LIMIT:-250} python3 -m fuse_plugin.tune --choices --warm --classes "$p" > "$OUT/warm_${p%%,*}.log" 2>&1 &
 done
 [ "${TESTS:-1}" != 0 ] && timeout 240 python3 -m pytest -q tests/test_attention_small.py tests/test_registry.py tests/test_attention_cudnn.py \
-  tests/test_attention_kernel.py -k "small or registry or cudnn or tma or gluon or matches_reference" 2>&1 \
+  tests/test_attention_efficient.py tests/test_attention_kernel.py \
+  -k "small or registry or cudnn or efficient or tma or gluon or matches_reference" 2>&1 \
   | tee "$OUT/tests.log" | tail -4
 wait
 grep -h '"error"\|Traceback' "$OUT"/warm_*.log | head -5

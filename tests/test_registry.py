@@ -36,7 +36,8 @@ def test_each_family_says_why_it_cannot_run_a_problem():
     biased = registry.reasons(_call(bias=torch.zeros(2, 4, 64, 64)))
     assert biased["tma"] == "it takes no bias, dropout, softcap, replace mask or rope"
     bwd = registry.reasons(_call(direction="bwd"))
-    assert set(bwd) == {"cudnn", "small", "gluon", "tma", "tma_pair", "two_kernel", "general"}
+    assert set(bwd) == {"cudnn", "small", "efficient", "gluon", "tma", "tma_pair", "two_kernel", "general"}
+    assert reasons["efficient"] == "not on CUDA"
 
 
 def test_rules_leave_the_small_family_to_measurements():

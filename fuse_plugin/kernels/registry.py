@@ -19,6 +19,9 @@ cudnn       both   cuDNN's fused attention through ATen (attention_cudnn.py): pl
                    from 512 (forward) / 160 (backward) tokens, where it was measured faster
 decode      fwd    flash-decoding (attention_decode.py): Lq <= 16 against Lk >= 256
 small       both   many small problems, whole tiles on chip (attention_small.py): Lq, Lk <= 128
+efficient   both   PyTorch's memory-efficient (CUTLASS) kernels through ATen
+                   (attention_efficient.py): float biases read through their strides; taken
+                   only where the choice table measured it fastest
 gluon       both   warp-specialised Hopper kernels (attention_hopper.py) where the tuning table
                    picks them
 tma         both   TMA kernels (attention_hopper.py) where the tuning table picks them (forward:
@@ -43,7 +46,8 @@ from typing import Optional
 
 import torch
 
-from . import attention_cudnn, attention_decode, attention_general, attention_hopper, attention_small
+from . import attention_cudnn, attention_decode, attention_efficient, attention_general, attention_hopper
+from . import attention_small
 from . import choice_table, host
 from .attention_config import (GLUON_BWD_KERNELS, GLUON_FWD_KERNELS, PAIR_KERNELS, AttentionConfig,
                                backward_config, deterministic_backward_config, fit_smem,
@@ -211,6 +215,31 @@ class Small(Family):
                                  is_causal=call.is_causal, scale=call.scale, dq=g.dq, dk=g.dk,
                                  dv=g.dv, dbias=g.dbias, **extra)
         return g.dq, g.dk, g.dv, g.dbias
+
+
+class Efficient(Family):
+    name = "efficient"
+    periodic_bias = True  # materialised over the batch into its own aligned buffer
+    rule = ""  # none: see declines
+
+    def cannot(self, call):
+        return attention_efficient.why_not(
+            call.q, call.k, call.v, call.bias, is_causal=call.is_causal, dropout=call.dropout,
+            softcap=call.softcapped, replace=call.has_rep, rope=call.rope is not None,
+            window=call.window, deterministic=call.deterministic and call.direction == "bwd")
+
+    def declines(self, call):
+        # taken where the choice table measured it fastest (or forced), by no rule of its own
+        return "taken only where measured faster (choice table) or forced"
+
+    def run(self, call, cfg, out_layout):
+        if call.direction == "fwd":
+            return attention_efficient.forward(call.q, call.k, call.v, call.bias, call.is_causal,
+                                               call.scale, call.period)
+        dq, dk, dv, dbias = attention_efficient.backward(
+            call.dout, call.q, call.k, call.v, call.bias, call.out, call.lse, call.is_causal,
+            call.scale, call.need_dbias, call.dbias_shape(), call.period)
+        return (*(in_layout_of(g, x) for g, x in zip((dq, dk, dv), call.inputs)), dbias)
 
 
 class GluonForward(Family):
@@ -392,13 +421,13 @@ def _forward_buffers(call):
 
 
 FAMILIES = {"fwd": {}, "bwd": {}}
-for _f in (Cudnn(), Decode(), Small(), GluonForward(), GluonBackward(), Tma(), TmaPair(), TwoKernel(),
-           General()):
+for _f in (Cudnn(), Decode(), Small(), Efficient(), GluonForward(), GluonBackward(), Tma(), TmaPair(),
+           TwoKernel(), General()):
     for _d in _f.directions:
         FAMILIES[_d][_f.name] = _f
 # The rules' order: the first family that can run a call takes it (where nothing was measured).
-PRIORITY = {"fwd": ("cudnn", "decode", "small", "gluon", "tma", "general"),
-            "bwd": ("cudnn", "small", "gluon", "tma_pair", "tma", "two_kernel", "general")}
+PRIORITY = {"fwd": ("cudnn", "decode", "small", "efficient", "gluon", "tma", "general"),
+            "bwd": ("cudnn", "small", "efficient", "gluon", "tma_pair", "tma", "two_kernel", "general")}
 NAMES = tuple(dict.fromkeys(PRIORITY["fwd"] + PRIORITY["bwd"]))
 
 # --------------------------------------------------------------------------------------------
