@@ -7,6 +7,7 @@ source "$(dirname "$0")/device_setup.sh"
 M=${MODES:-default}
 ARGS=(--modes "$M" --tasks "${TASKS:-infer,train}" --parallel "${PARALLEL:-20}" --deadline "${DEADLINE:-530}")
 [ -n "${MODELS:-}" ] && ARGS+=(--models "$MODELS")
+[ -n "${PROFILE:-}" ] && ARGS+=(--profile "$PROFILE")  # N steps profiled per variant (host/GPU time, top kernels)
 ( cd benchmarks && python3 zoo.py "${ARGS[@]}" --out "$OUT/zoo_$M.md" --json "$OUT/zoo_$M.json" > "$OUT/zoo_$M.log" 2>&1 )
 echo "zoo.py rc=$?"
 grep -E "Traceback|Error" "$OUT/zoo_$M.log" | cut -c1-200 | head -5
