@@ -273,3 +273,76 @@ def test_site_choice_sdpa_switch(monkeypatch):
     targets, report = rewritten(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), *qkv())
     assert attention.ATTENTION_OP not in targets
     assert [m.reason for m in report.left if m.kind == "sdpa"] == ["left as SDPA (FUSE_PLUGIN_SITE_CHOICE=sdpa)"]
+
+
+class RelPosAttention(torch.nn.Module):
+    """BEiT's hand-written attention: a learned relative-position table gathered by an integer
+    index buffer, viewed and permuted into a (1, H, L, L) bias."""
+
+    def __init__(self, H=4, L=8):
+        super().__init__()
+        self.H, self.L = H, L
+        self.table = torch.nn.Parameter(torch.randn(2 * L - 1, H, dtype=torch.float64))
+        idx = torch.arange(L)[:, None] - torch.arange(L)[None, :] + L - 1
+        self.register_buffer("index", idx)
+
+    def forward(self, q, k, v, extra=None):
+        bias = self.table[self.index.view(-1)].view(self.L, self.L, -1).permute(2, 0, 1).contiguous()
+        s = q @ k.transpose(-2, -1) * 0.25 + bias.unsqueeze(0)
+        if extra is not None:
+            s = s + extra
+        return torch.softmax(s, dim=-1) @ v
+
+
+def _dead_row_pass(targets) -> bool:
+    return torch.isneginf in targets
+
+
+def test_a_learned_bias_needs_no_dead_row_pass(sdpa_measured_fastest):
+    """A bias of parameters alone (bias_source.py) is -inf on a whole row only where they are: the
+    SDPA call takes no extra pass over its output; a bias that is (or adds) an input keeps it."""
+    m = RelPosAttention()
+    targets, _ = rewritten(m, *qkv())
+    assert F.scaled_dot_product_attention in targets and not _dead_row_pass(targets)
+    check_parity(m, *qkv())
+    torch._dynamo.reset()
+    torch.compile(m, backend=rewrite_aot_eager)(*qkv()).sum().backward()
+    got = m.table.grad.clone()
+    m.zero_grad()
+    m(*qkv()).sum().backward()
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, m.table.grad, rtol=1e-9, atol=1e-9)
+    extra = torch.zeros(2, 1, 1, 8, dtype=torch.float64)
+    extra[1, ..., :] = float("-inf")  # an input bias: rows masked everywhere stay eager's NaN
+    targets, _ = rewritten(m, *qkv(), extra)
+    assert F.scaled_dot_product_attention in targets and _dead_row_pass(targets)
+    check_parity(m, *qkv(), extra)
+
+
+def test_bias_source_near_misses():
+    """What keeps the test: a float buffer, a -inf constant, an op outside the list, float16."""
+    from fuse_plugin.patterns.bias_source import from_parameters
+
+    class M(torch.nn.Module):
+        def __init__(self, how):
+            super().__init__()
+            self.how = how
+            self.p = torch.nn.Parameter(torch.randn(1, 2, 4, 4))
+            self.register_buffer("buf", torch.zeros(1, 2, 4, 4))
+
+        def forward(self, x):
+            b = {"param": lambda: self.p * 2.0 + self.p, "buffer": lambda: self.p + self.buf,
+                 "inf": lambda: self.p.masked_fill(self.p > 3, float("-inf")), "exp": lambda: self.p.exp().log(),
+                 "half": lambda: self.p.half()}[self.how]()
+            return x + b
+
+    got = {}
+    for how in ("param", "buffer", "inf", "exp", "half"):
+        def backend(gm, ex, how=how):
+            out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0][0]
+            got[how] = from_parameters(out.args[1])
+            return gm.forward
+        torch._dynamo.reset()
+        torch.compile(M(how), backend=backend)(torch.randn(1, 2, 4, 4))
+    torch._dynamo.reset()
+    assert got == {"param": True, "buffer": False, "inf": False, "exp": False, "half": False}

@@ -74,6 +74,7 @@ from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
 from . import choice, sinks as sink_form
 from .attention_bias import BiasTerm, MaskFill, build_bias, causal_or_bias, read_masks, replace_mask
 from .batch_views import batch_view, carry_mask
+from .bias_source import from_parameters
 from .canon import (Call, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
                     is_identity, is_in_place_form, known_equal, mutates, norm_dim, same_shape, shape, shape_only_use, size_in_range,
                     tensor_meta, written)
@@ -1323,7 +1324,9 @@ def _sdpa_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias) -> fx.Node:
     the bias as its attn_mask (a window-periodic one repeated over the batch; a float one in q's
     dtype, as SDPA takes it), a causal mask next to a bias folded into it (SDPA takes one or the
     other), k/v un-repeated with enable_gqa. Rows masked everywhere: eager's NaN (SDPA gives 0),
-    unless the site was a _safe_softmax; their gradients are SDPA's (finite where eager's are NaN).
+    unless the site was a _safe_softmax or its bias is learned parameters alone (bias_source.py:
+    -inf on a whole row only where they are); their gradients are SDPA's (finite where eager's are
+    NaN).
     Dropout draws SDPA's own mask. The extra work (the periodic bias's copy, timed with SDPA in
     the table; the dead-row test, one read of the mask) is small beside the attention."""
     qv, kv = example_value(q), example_value(k)
@@ -1342,11 +1345,18 @@ def _sdpa_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias) -> fx.Node:
                      dropout_p=site.dropout_p, is_causal=causal, scale=float(site.scale),
                      enable_gqa=site.kv_groups > 1)
     out.meta[EMITTED] = True
-    if bias is not None and not site.safe:  # eager: NaN in rows whose every score is masked
+    if bias is not None and not site.safe and not _learned_bias(site):  # eager: NaN in rows whose every
+        # score is masked (a bias of parameters alone is -inf on a whole row only where they are)
         dead = (b.function(torch.logical_not, b.method("any", bias, -1, True)) if dtype(bias) == torch.bool
                 else b.method("all", b.function(torch.isneginf, bias), -1, True))
         out = b.function(torch.where, dead, math.nan, out)
     return out
+
+
+def _learned_bias(site: AttentionSite) -> bool:
+    """Is every part of the site's bias computed from parameters alone (bias_source.py)?"""
+    return bool(site.bias_parts) and site.period is None and all(
+        isinstance(p, BiasTerm) and from_parameters(p.node) for p in site.bias_parts)
 
 
 def _zero_dead_rows(b: NodeBuilder, op: fx.Node, out: fx.Node) -> fx.Node:
