@@ -345,12 +345,13 @@ def _zoo_headline(data: dict) -> list[str]:
     if not z.get("results"):
         return []
     p = z["provenance"]
-    rows = [(f"{r['model']} {r['task']}", zoo_ratio(r)) for r in z["results"]["rows"]]
+    modes = sorted({r["mode"] for r in z["results"]["rows"]})
+    rows = [(f"{r['model']} {r['task']}" + (" (CUDA graphs)" if len(modes) > 1 and r["mode"] != "default" else ""),
+             zoo_ratio(r)) for r in z["results"]["rows"]]
     rows = [(n, x) for n, x in rows if x is not None]
     below = ", ".join(f"{n} {x:.3f}" for n, x in rows if x < 1.0)
-    modes = sorted({r["mode"] for r in z["results"]["rows"]})
     return [f"* **timm zoo** (10 models with their hand-written attention, batch 64, on one {p['gpu']}; "
-            f"{', '.join(modes)} mode): {sum(x >= 1.0 for _, x in rows)} of {len(rows)} rows at or above "
+            f"{' and '.join(modes)} mode{'s' if len(modes) > 1 else ''}): {sum(x >= 1.0 for _, x in rows)} of {len(rows)} rows at or above "
             f"the better of stock compile and timm's fused path, {_range(x for _, x in rows)}x"
             + (f"; below: {below}" if below else "") + f" ({p['stop']}, {p['date']})."]
 

@@ -100,7 +100,7 @@ def test_chart_bars(data):
     long = [b for b in bars if b["group"].startswith("Long context")]
     assert [round(b["ratio"], 2) for b in long] == [round(current.e2e_median(data)[t], 2) for t in ("train", "infer")]
     zoo = [b for b in bars if b["group"].startswith("timm zoo")]
-    assert len(zoo) == len(data["zoo"]["results"]["rows"]) == 20  # stop 23, default mode only
+    assert len(zoo) == len(data["zoo"]["results"]["rows"]) == 30  # stop 27: 20 default rows, 10 under CUDA graphs
     assert data["zoo"]["provenance"]["gpu"] in zoo[0]["group"]  # not the shapes' GPU: said in the heading
 
 
