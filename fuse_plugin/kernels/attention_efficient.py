@@ -29,8 +29,9 @@ here, in fp32, to the launchers' ``dbias_shape`` (the broadcast and periodic dim
 
 Numerics: fp32 accumulation, natural-log logsumexp, as ours (the backward reads either family's
 lse: its (B, H, Lq) is padded to the kernel's 32-row blocks). A row whose every score is -inf
-(a float bias of -inf on a whole row; HF's and timm's masks are finite) gives 0 here where eager
-softmax gives NaN; every other row is eager's to fp32 rounding (tests/gpu_attention_efficient.py).
+(a float bias of -inf on a whole row; HF's and timm's masks are finite) gets what SDPA's efficient
+backend gives it (0, where eager softmax and our other families give NaN; not yet checked on a
+GPU here); every other row is eager's to fp32 rounding (tests/test_attention_efficient.py).
 
 Layouts: out (B, Hq, Lq, Dv) laid out (B, Lq, Hq, Dv), the op's own. Its gradients are asked
 for with q/k/v laid out (B, L, H, D) (a copy of an input that is not): ATen's kernel then
