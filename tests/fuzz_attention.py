@@ -28,7 +28,8 @@
   causal window of 1 to 3 keys (`where(j <= i and j > i - W, x, v)`), or gains one with -inf;
 * the route: one case in seven of the others (seed % 7 == 2) is rewritten with
   FUSE_PLUGIN_SITE_CHOICE=sdpa, a hand-written site becoming an SDPA call where it can be one
-  (patterns/attention._sdpa_call: masks folded into one attn_mask, eager's NaN rows restored);
+  (patterns/attention._sdpa_call: masks folded into one attn_mask, eager's NaN rows restored, but
+  not tested for where the bias is the learned one alone: patterns/bias_source.py);
 * mutants, which are not attention and must be left alone (0 fused sites in the rewrite's
   report): softmax over dim -2, weights changed before the product with v (scaled, squared,
   flipped, shifted), weights or scores also used elsewhere, a fill with 0 (not a mask value), a
