@@ -86,7 +86,7 @@ def summary(gm: fx.GraphModule) -> dict:
     """Kernels launched (name, clones), opaque ops left, and whether outputs are kernel results."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    launches, opaque, cloned_inputs, direct_descriptor_reads, copies, cudnn = [], [], [], [], [], []
+    launches, opaque, cloned_inputs, direct_descriptor_reads, copies, cudnn, efficient = [], [], [], [], [], [], []
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -112,6 +112,8 @@ def summary(gm: fx.GraphModule) -> dict:
             opaque.append(str(n.target))
         elif "cudnn_attention" in str(n.target):  # kernels/attention_cudnn.py
             cudnn.append(str(n.target).split(".")[1])
+        elif "efficient_attention" in str(n.target):  # kernels/attention_efficient.py
+            efficient.append(str(n.target).split(".")[1])
         elif n.target is torch.ops.aten.clone.default or (
                 n.target is torch.ops.aten._to_copy.default  # a copy, not a cast
                 and n.kwargs.get("dtype") in (None, n.args[0].meta["val"].dtype)):
@@ -122,7 +124,7 @@ def summary(gm: fx.GraphModule) -> dict:
                      and a.target is torch.ops.aten.empty.memory_format]
     return dict(launches=launches, opaque=opaque, cloned_inputs=cloned_inputs,
                 empty_outputs=empty_outputs, direct_descriptor_reads=direct_descriptor_reads,
-                copies=copies, cudnn=cudnn)
+                copies=copies, cudnn=cudnn, efficient=efficient)
 
 
 def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
@@ -195,6 +197,25 @@ def small_case(p=0.0):
 
     with registry.forced("small"):
         return trace(fn, q, k, v, dout, bias, *extra)
+
+
+def efficient_case(periodic: bool):
+    """PyTorch's efficient kernels as a family (forced: taken only where measured) on Swin's
+    windows: 8 windows of 49 tokens, 3 heads of 32, a learned (1, 3, 49, 49) relative-position
+    bias or the shifted windows' periodic (4, 3, 49, 49) one, with its gradient."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fuse_plugin.kernels import registry
+
+    mode = FakeTensorMode()
+    q, k, v, dout = (fake(mode, 8, 3, 49, 32) for _ in range(4))
+    bias = fake(mode, 4 if periodic else 1, 3, 49, 49)
+
+    def fn(q, k, v, dout, bias):
+        return attention_pair(q, k, v, dout, bias, is_causal=False, need_dbias=True)
+
+    with registry.forced("efficient"):
+        return trace(fn, q, k, v, dout, bias)
 
 
 def decode_case(B=2, Hq=16, Hkv=4, Lq=1, Lk=1024, D=64, mask="float"):
@@ -352,6 +373,8 @@ CASES = {
     "decode": decode_case,
     "small_swin": small_case,
     "small_dropout": lambda: small_case(p=0.1),
+    "efficient_relpos": lambda: efficient_case(False),
+    "efficient_shifted": lambda: efficient_case(True),
     "decode_bool": lambda: decode_case(B=1, Hq=12, Hkv=4, Lq=4, Lk=300, D=128, mask="bool"),
     # never decomposed: CPU tensors (the reference; CI's interpreter path)
     "cpu": lambda: attention_case(1, 2, 2, 40, 64, dtype=torch.float32, device="cpu"),

@@ -139,6 +139,18 @@ def test_small_family_becomes_two_launches(traced, name):
     assert case["copies"] == []
 
 
+@pytest.mark.parametrize("name", ["efficient_relpos", "efficient_shifted"])
+def test_efficient_family_becomes_its_aten_ops(traced, name):
+    """PyTorch's efficient kernels (kernels/attention_efficient.py) traced: its forward and backward
+    ATen ops and no Triton launch or opaque op; the bias padded and the gradients reduced by plain
+    torch ops, which Inductor fuses."""
+    case = traced[name]
+    assert "error" not in case, case.get("error")
+    assert case["opaque"] == [] and case["cloned_inputs"] == [] and kernels(case) == []
+    assert case["efficient"] == ["_scaled_dot_product_efficient_attention",
+                                 "_scaled_dot_product_efficient_attention_backward"]
+
+
 CUDNN_FWD, CUDNN_BWD = "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward"
 
 
