@@ -18,6 +18,7 @@ import fuse_plugin  # noqa: F401  (registers the ops)
 from fuse_plugin.kernels import attention as K
 from fuse_plugin.kernels import attention_efficient as eff
 from fuse_plugin.kernels import registry
+from fuse_plugin.kernels.call import sum_dbias
 
 ON_GPU = DEVICE == "cuda"
 needs_gpu = pytest.mark.skipif(not ON_GPU, reason="PyTorch's memory-efficient attention runs on CUDA only")
@@ -97,7 +98,7 @@ def test_an_aligned_bias_is_read_as_it_is():
                                             ((4, 2, 5, 7), None)])
 def test_dbias_summed_in_fp32_to_its_shape(target, period):
     ds = torch.randn(6 if period else 4, 2, 5, 7, dtype=torch.float64).to(torch.bfloat16)
-    got = eff._sum_dbias(ds, target, period)
+    got = sum_dbias(ds, target, ds.shape[0])
     want = ds.double()
     if period:
         want = want.view(2, 3, 2, 5, 7).sum(0)

@@ -228,6 +228,6 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     if not family.periodic_bias:
         call.materialise_bias()
     dq, dk, dv, dbias = family.run(call, cfg, out_layout)
-    if dbias is not None and tuple(dbias.shape) != tuple(target):
+    if dbias is not None and (tuple(dbias.shape) != tuple(target) or dbias.dtype != torch.float32):
         dbias = call.reduce_dbias(dbias, target)
     return dq, dk, dv, dbias

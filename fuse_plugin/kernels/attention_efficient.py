@@ -24,8 +24,8 @@ elements (SDPA pads its mask the same way): a bias whose strides are is read as 
 broadcast, so a (1, H, L, L) relative-position bias is never repeated per window batch); any
 other is copied once into a padded buffer of its un-broadcast shape (a window-periodic bias
 (P, H, L, L), Swin's shifted windows, is materialised over the batch there: this kernel reads a
-bias by batch index only). dS comes back in q's dtype at the bias view's full size and is summed
-here, in fp32, to the launchers' ``dbias_shape`` (the broadcast and periodic dims).
+bias by batch index only). dS comes back in q's dtype at the bias view's full size; the launcher
+sums it in fp32 to its ``dbias_shape`` (the broadcast and periodic dims; call.sum_dbias).
 
 Numerics: fp32 accumulation, natural-log logsumexp, as ours (the backward reads either family's
 lse: its (B, H, Lq) is padded to the kernel's 32-row blocks). A row whose every score is -inf
@@ -34,9 +34,9 @@ backend gives it (0, where eager softmax and our other families give NaN; not ye
 GPU here); every other row is eager's to fp32 rounding (tests/test_attention_efficient.py).
 
 Layouts: out (B, Hq, Lq, Dv) laid out (B, Lq, Hq, Dv), the op's own. Its gradients are asked
-for with q/k/v laid out (B, L, H, D) (a copy of an input that is not): ATen's kernel then
-returns them in that layout, which is also what its meta function promises when Inductor
-traces the launch.
+for with q/k/v laid out (B, L, H, D) (``out_layout``: a copy of an input that is not): ATen's
+kernel then returns them in that layout, which is also what its meta function promises when
+Inductor traces the launch.
 """
 from __future__ import annotations
 
@@ -109,13 +109,6 @@ def aligned_bias(bias: torch.Tensor, B: int, period: Optional[int]) -> torch.Ten
     return padded.narrow(-1, 0, Lk).expand(B, H, Lq, Lk)  # (narrow: also on fake CUDA tensors)
 
 
-def _blhd(t: torch.Tensor) -> torch.Tensor:
-    """t (B, H, L, D) laid out (B, L, H, D) in memory (a copy unless it is)."""
-    if t.transpose(1, 2).is_contiguous():
-        return t
-    return aten._to_copy(t.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
-
-
 def forward(q, k, v, bias, is_causal: bool, scale: float, period: Optional[int] = None):
     """out (B, Hq, Lq, Dv) laid out (B, Lq, Hq, Dv) and lse (B, Hq, Lq) fp32 (natural log)."""
     B, _, Lq, _ = q.shape
@@ -127,26 +120,15 @@ def forward(q, k, v, bias, is_causal: bool, scale: float, period: Optional[int] 
 
 
 def backward(dout, q, k, v, bias, out, lse, is_causal: bool, scale: float, need_dbias: bool,
-             dbias_shape: tuple = (), period: Optional[int] = None):
-    """dq, dk, dv laid out (B, L, H, D), and dS summed to ``dbias_shape`` in fp32 (or None)."""
+             period: Optional[int] = None):
+    """dq, dk, dv laid out as q/k/v, which the caller gives laid out (B, L, H, D)
+    (kernels/attention.out_layout: the layout the kernel's meta promises for its gradients), and
+    dS (B, Hq, Lq, Lk) in q's dtype, which the launcher sums in fp32 (call.sum_dbias), or None."""
     B, H, Lq, _ = q.shape
     b = None if bias is None else aligned_bias(bias, B, period)
     lse = aten.constant_pad_nd(lse, [0, -(-Lq // LSE_ROWS) * LSE_ROWS - Lq], 0.0)
     seed = torch.empty((), dtype=torch.long, device=q.device)  # read only with dropout
     dq, dk, dv, ds = aten._scaled_dot_product_efficient_attention_backward(
-        dout, _blhd(q), _blhd(k), _blhd(v), b, out, lse, seed, seed, 0.0,
+        dout, q, k, v, b, out, lse, seed, seed, 0.0,
         [True, True, True, bool(need_dbias and b is not None)], bool(is_causal), scale=float(scale))
-    if not need_dbias or ds is None:
-        return dq, dk, dv, None
-    return dq, dk, dv, _sum_dbias(ds, dbias_shape, period)
-
-
-def _sum_dbias(ds: torch.Tensor, target: tuple, period: Optional[int]) -> torch.Tensor:
-    """dS (B, Hq, Lq, Lk) in q's dtype summed in fp32 to ``target`` (P rows: by window)."""
-    if period is not None:
-        B = ds.shape[0]
-        ds = ds.view(B // period, period, *ds.shape[1:]).sum(0, dtype=torch.float32)
-    dims = [d for d, (t, n) in enumerate(zip(target, ds.shape)) if t == 1 and n != 1]
-    if dims:
-        return ds.sum(dims, keepdim=True, dtype=torch.float32)
-    return ds.float()
+    return dq, dk, dv, (ds if need_dbias else None)

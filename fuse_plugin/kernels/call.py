@@ -195,6 +195,21 @@ def _rope_args(rope: Optional[Rope], q, k):
     return cos, sin, cq.stride(), ck.stride(), consts
 
 
+def sum_dbias(ds: torch.Tensor, target: tuple, B) -> torch.Tensor:
+    """dS of the scores, (B, Hq, Lq, Lk), summed in fp32 to ``target`` (the launchers'
+    ``dbias_shape``): a window-periodic target (P, ...) sums the B // P batches of each window,
+    then every dim where the target has 1. A family's fp32 dS is summed as it is; a 16-bit one
+    (PyTorch's efficient kernels write dS in q's dtype) accumulates in fp32."""
+    acc = {} if ds.dtype == torch.float32 else {"dtype": torch.float32}
+    P = target[0]
+    if P != 1 and ds.shape[0] != P:
+        ds = ds.view(B // P, P, *ds.shape[1:]).sum(0, **acc)
+    if ds.dtype == torch.float32:
+        return ds.sum_to_size(target)
+    dims = [d for d, (t, n) in enumerate(zip(target, ds.shape)) if t == 1 and n != 1]
+    return ds.sum(dims, keepdim=True, dtype=torch.float32) if dims else ds.float()
+
+
 @dataclass
 class AttentionCall:
     """A validated forward or backward call (see module doc). Built by ``forward`` / ``backward``."""
@@ -322,13 +337,9 @@ class AttentionCall:
         return self.dbias_target
 
     def reduce_dbias(self, ds: torch.Tensor, target: tuple) -> torch.Tensor:
-        """dS of the scores, (B, Hq, Lq, Lk) fp32, summed to ``target`` (``dbias_shape``); a
-        window-periodic target (P, ...) sums the B // P batches of each window."""
-        B = self.sizes[0]
-        P = target[0]
-        if P != 1 and ds.shape[0] != P:
-            ds = ds.view(B // P, P, *ds.shape[1:]).sum(0)
-        return ds.sum_to_size(target)
+        """dS of the scores, (B, Hq, Lq, Lk), summed to ``target`` (``dbias_shape``) in fp32; see
+        ``sum_dbias``."""
+        return sum_dbias(ds, target, self.sizes[0])
 
     # ------------------------------------------------------------------ what families read
 

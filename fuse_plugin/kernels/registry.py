@@ -236,9 +236,10 @@ class Efficient(Family):
         if call.direction == "fwd":
             return attention_efficient.forward(call.q, call.k, call.v, call.bias, call.is_causal,
                                                call.scale, call.period)
+        q, k, v = (out_layout(t) for t in (call.q, call.k, call.v))  # (B, L, H, D): module doc
         dq, dk, dv, dbias = attention_efficient.backward(
-            call.dout, call.q, call.k, call.v, call.bias, call.out, call.lse, call.is_causal,
-            call.scale, call.need_dbias, call.dbias_shape(), call.period)
+            call.dout, q, k, v, call.bias, call.out, call.lse, call.is_causal, call.scale,
+            call.need_dbias, call.period)
         return (*(in_layout_of(g, x) for g, x in zip((dq, dk, dv), call.inputs)), dbias)
 
 
