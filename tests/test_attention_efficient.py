@@ -169,10 +169,12 @@ def test_matches_float64_on_the_gpu(case):
             out, lse = K.attention_forward(q, k, v, bias_t, is_causal=causal, scale=scale)
             dq, dk, dv, db = K.attention_backward(dout, q, k, v, bias_t, out, lse, is_causal=causal,
                                                   scale=scale, need_dbias=need_dbias)
+            out_inf, _ = K.attention_forward(q, k, v, bias_t, is_causal=causal, scale=scale, need_lse=False)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
     tol = TOL[dtype]
     check_close("out", out, ref_out, tol)
+    check_close("out (need_lse=False)", out_inf, ref_out, tol)
     check_close("lse", lse, ref_lse, tol)
     for name, got, ref in (("dq", dq, leaves[0]), ("dk", dk, leaves[1]), ("dv", dv, leaves[2])):
         check_close(name, got, ref.grad, tol)

@@ -162,7 +162,8 @@ def _user_config(config):
 def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=None,
                       rope: Optional[Rope] = None, dropout_p: float = 0.0,
                       dropout_seed: Optional[torch.Tensor] = None, softcap: float = 0.0,
-                      replace: Optional[torch.Tensor] = None, window: int = 0):
+                      replace: Optional[torch.Tensor] = None, window: int = 0,
+                      need_lse: bool = True):
     """Returns ``(out, lse)``; see the module docstring for shapes and semantics.
 
     Args:
@@ -179,12 +180,15 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=No
             bias alone.
         window: with is_causal, a sliding window: query i sees keys i - window + 1 .. i (0:
             none). The kernels skip the key blocks it hides (the general family only).
+        need_lse: False (inference: no backward will read it) lets a family that computes the
+            logsumexp at a cost skip it (the efficient family; the Triton kernels write it
+            anyway, cuDNN too: measured no faster without): the returned lse is then unspecified.
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv); lse (B, Hq, Lq) fp32."""
     call = AttentionCall.forward(q, k, v, bias, is_causal=is_causal, scale=scale,
                                  config=_user_config(config), rope=rope, dropout_p=dropout_p,
                                  dropout_seed=dropout_seed, softcap=softcap, replace=replace,
-                                 window=window)
+                                 window=window, need_lse=need_lse)
     if call.empty:
         B, Hq, Lq, _, _, _, Dv = call.sizes
         out = host.empty((B, Lq, Hq, Dv), q.dtype, q.device).transpose(1, 2)

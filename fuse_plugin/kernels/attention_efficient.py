@@ -1,7 +1,7 @@
 """PyTorch's memory-efficient attention (CUTLASS, through ATen) as one more family of the op.
 
     why_not(q, k, v, bias, ...) -> None or the reason it cannot run a call
-    forward(q, k, v, bias, is_causal, scale, period) -> out, lse
+    forward(q, k, v, bias, is_causal, scale, period, need_lse) -> out, lse
     backward(dout, q, k, v, bias, out, lse, is_causal, scale, need_dbias, period) -> dq, dk, dv, dS
 
 Why: the kernel table of issue 28 (H200, torch 2.11, bf16, 2026-11-26; RESULTS.md) found SDPA's
@@ -43,6 +43,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from . import host
 
 aten = torch.ops.aten
 
@@ -109,12 +111,17 @@ def aligned_bias(bias: torch.Tensor, B: int, period: Optional[int]) -> torch.Ten
     return padded.narrow(-1, 0, Lk).expand(B, H, Lq, Lk)  # (narrow: also on fake CUDA tensors)
 
 
-def forward(q, k, v, bias, is_causal: bool, scale: float, period: Optional[int] = None):
-    """out (B, Hq, Lq, Dv) laid out (B, Lq, Hq, Dv) and lse (B, Hq, Lq) fp32 (natural log)."""
-    B, _, Lq, _ = q.shape
+def forward(q, k, v, bias, is_causal: bool, scale: float, period: Optional[int] = None,
+            need_lse: bool = True):
+    """out (B, Hq, Lq, Dv) laid out (B, Lq, Hq, Dv) and lse (B, Hq, Lq) fp32 (natural log);
+    ``need_lse`` False: the kernel computes no lse (SDPA's inference call: Swin-T's stage-1
+    windows 0.173 vs 0.181 ms with it, H100) and the returned one is uninitialised."""
+    B, H, Lq, _ = q.shape
     b = None if bias is None else aligned_bias(bias, B, period)
-    res = aten._scaled_dot_product_efficient_attention(q, k, v, b, True, 0.0, bool(is_causal),
+    res = aten._scaled_dot_product_efficient_attention(q, k, v, b, bool(need_lse), 0.0, bool(is_causal),
                                                        scale=float(scale))
+    if not need_lse:
+        return res[0], host.empty((B, H, Lq), torch.float32, q.device)
     # its lse is padded to 32-row blocks: the op's is (B, Hq, Lq) contiguous
     return res[0], aten._to_copy(res[1].narrow(2, 0, Lq), memory_format=torch.contiguous_format)
 

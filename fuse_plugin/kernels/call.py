@@ -228,6 +228,7 @@ class AttentionCall:
     rope: Optional[Rope]
     config: Any = None  # a config the caller gave (names its family), else None
     window: int = 0  # sliding window (with is_causal): query i sees keys i - window + 1 .. i
+    need_lse: bool = True  # forward: False lets a family skip the logsumexp (inference; lse unspecified)
     # backward only
     dout: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
@@ -263,12 +264,13 @@ class AttentionCall:
 
     @classmethod
     def forward(cls, q, k, v, bias, *, is_causal, scale, config=None, rope=None, dropout_p=0.0,
-                dropout_seed=None, softcap=0.0, replace=None, window=0) -> "AttentionCall":
+                dropout_seed=None, softcap=0.0, replace=None, window=0,
+                need_lse=True) -> "AttentionCall":
         check_inputs(q, k, v, bias)
         check_window(window, is_causal)
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         call = cls("fwd", q, k, v, bias, bool(is_causal), scale, dropout_p, dropout_seed, softcap,
-                   replace, rope, config, window=window)
+                   replace, rope, config, window=window, need_lse=bool(need_lse))
         return call._derive()
 
     @classmethod

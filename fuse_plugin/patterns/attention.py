@@ -1299,6 +1299,9 @@ def _op_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, replaced) -> fx
         extra["replace"] = replaced
     if site.window:  # a causal sliding window: the kernels skip the key blocks it hides
         extra["window"] = site.window
+    if not site.safe and not choice.needs_grad(site):
+        # inference: no backward reads the lse (under autograd the op computes it regardless)
+        extra["need_lse"] = False
     if site.sinks is not None:  # match_attention took no softcap with sinks
         sinks = b.method("reshape", site.sinks, -1)
         rep = {"replace": replaced} if replaced is not None else {}

@@ -84,8 +84,13 @@ def _over_keys(part) -> bool:
         (len(s) < 3 or _hint(s[-3]) == 1)
 
 
-def _training(site) -> bool:
-    """Does anything the op would read need a gradient?"""
+def needs_grad(site) -> bool:
+    """Does anything the op would read need a gradient, where autograd records the site (its
+    output needs one: not under no_grad)? Training; else the op's forward may skip its
+    logsumexp (attention._op_call)."""
+    out = example_value(site.output)
+    if isinstance(out, torch.Tensor) and not out.requires_grad:
+        return False
     nodes = [site.q.node, site.k.node, site.v.node] + [
         p.node for p in site.bias_parts if isinstance(p, BiasTerm)]
     for n in nodes:
@@ -102,7 +107,7 @@ def class_of(site) -> tuple[Optional[str], str, torch.device]:
         qv, kv, vv = qv.unsqueeze(0), kv.unsqueeze(0), vv.unsqueeze(0)
     key = choice_table.class_key(site.dtype, _hint(qv.shape[-1]), _hint(vv.shape[-1]), _hint(qv.shape[-2]),
                                  _hint(kv.shape[-2]), _bias_form(site), site.is_causal, bool(site.dropout_p))
-    return key, "train" if _training(site) else "fwd", qv.device
+    return key, "train" if needs_grad(site) else "fwd", qv.device
 
 
 def ours_time(times: dict, mode: str) -> Optional[tuple[float, str]]:

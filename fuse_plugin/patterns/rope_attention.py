@@ -211,7 +211,8 @@ def replace(gm: fx.GraphModule, site: RopeSite, fake_mode) -> None:
                 tables.append(b.method("permute", t, *perm))
             cos, sin = tables
         v, rest = a.args[2], a.args[3:]  # bias, dropout_p, is_causal, scale[, dropout_seed]
-        new = b.function(ROPE_ATTENTION_OP, xq, xk, v, cos, sin, interleaved, rotary_dim, *rest, **a.kwargs)
+        kwargs = {n: x for n, x in a.kwargs.items() if n != "need_lse"}  # (rope_attention has none)
+        new = b.function(ROPE_ATTENTION_OP, xq, xk, v, cos, sin, interleaved, rotary_dim, *rest, **kwargs)
     except Exception:
         b.rollback()
         raise
