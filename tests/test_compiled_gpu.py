@@ -34,8 +34,14 @@ def as_accurate(got_err: float, eager_err: float) -> bool:
 
 @pytest.fixture(autouse=True)
 def default_settings(monkeypatch):
-    """The users' defaults: rotary_qk + attention (the suite's conftest turns the rope fold on)."""
+    """The users' defaults: rotary_qk + attention (the suite's conftest turns the rope fold on);
+    every site our op, whose families the registry's rules choose (no choice table): these tests
+    are of Inductor launching our Triton kernels, which the measured choice would otherwise give to
+    SDPA or cuDNN at the tiny model's shapes (its 300 tokens are the table's 512-token class,
+    where SDPA and cuDNN were measured fastest: an SDPA call or cuDNN's ATen op, no Triton launch)."""
     monkeypatch.setenv("FUSE_PLUGIN_ROPE_ATTENTION", "0")
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "ours")
+    monkeypatch.setenv("FUSE_PLUGIN_CHOICE_TABLE", "off")
 
 
 def model_pair(**cfg):
