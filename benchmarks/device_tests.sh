@@ -6,9 +6,9 @@
 # fresh machine take > 7 min. The check scripts (float64 references, PASS/FAIL rows) run at once, gpu_check a process
 # per section. The last lines printed are the summary table.
 source "$(dirname "$0")/device_setup.sh"
-FILES="tests/test_attention_cudnn.py tests/test_attention_decode.py tests/test_attention_kernel.py
+FILES="tests/test_attention_cudnn.py tests/test_attention_decode.py tests/test_attention_efficient.py tests/test_attention_kernel.py
  tests/test_attention_sinks.py tests/test_attention_small.py tests/test_compiled_gpu.py tests/test_dropout.py
- tests/test_inductor_launch.py tests/test_ops.py tests/test_registry.py tests/test_replace_mask.py
+ tests/test_inductor_launch.py tests/test_need_lse.py tests/test_ops.py tests/test_registry.py tests/test_replace_mask.py
  tests/test_rope_attention.py tests/test_rotary_kernel.py tests/test_sdpa_candidate.py tests/test_softcap.py
  tests/test_tune_choices.py tests/test_tuning_table.py tests/test_results_current.py tests/test_window.py"
 if [ "${TESTS:-1}" != 0 ]; then

@@ -89,9 +89,10 @@ def test_the_kernel_choice_table_runs(tiny, monkeypatch):
     spec.loader.exec_module(bench)
     lines, data = bench.choice_table(log=lambda *a: None, cases=[("tiny", tiny)], device="cpu")
     assert data[0]["chosen"] == {"fwd": "general", "bwd": "general"}  # nothing measured: the rules
-    assert {"chosen", "general", "small", "inductor"} <= set(data[0]["ms"])
+    assert {"chosen", "chosen-infer", "general", "small", "inductor"} <= set(data[0]["ms"])
     cells = lines[-1].split("|")
     assert cells[1].strip() == "tiny" and len(cells) == 9 and cells[5].count("/") == 2
-    # the site's decision (CPU: no table, our op) against the fastest, inference and training
-    assert data[0]["site"]["fwd"]["impl"] == "chosen" and data[0]["site"]["train"]["impl"] == "chosen"
+    # the site's decision (CPU: no table, our op) against the fastest, inference (the op without
+    # its logsumexp, as an inference site calls it) and training
+    assert data[0]["site"]["fwd"]["impl"] == "chosen-infer" and data[0]["site"]["train"]["impl"] == "chosen"
     assert set(data[0]["site_vs_fastest"]) == {"fwd", "train"} and cells[7].count("/") == 1
