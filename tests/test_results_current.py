@@ -94,13 +94,17 @@ def test_readme_front_door():
 def test_chart_bars(data):
     bars = chart.series(data)
     shapes = [b for b in bars if b["group"].startswith("Whole models")]
-    assert len(shapes) == len(data["shapes"]["rows"]) == 20
+    assert len(shapes) == len(data["shapes"]["rows"]) == 24  # stop 20's 20, stop 28's fp32 and autocast rows
     assert {b["mode"] for b in shapes} == {"default", "reduce-overhead"}
-    assert min(b["ratio"] for b in shapes) >= 1.0
+    # every row at or above the best stock variant but fp32 inference, whose sites the choice leaves to
+    # Inductor (stock compile's own graph: 0.998x it; sdpa + compile 0.7% faster, stop 28)
+    below = {(b["label"], b["mode"]) for b in shapes if b["ratio"] < 1.0}
+    assert below <= {("llama-infer-fp32-8x512", "default"), ("llama-infer-fp32-8x512", "reduce-overhead")}, below
+    assert min(b["ratio"] for b in shapes) >= 0.98
     long = [b for b in bars if b["group"].startswith("Long context")]
     assert [round(b["ratio"], 2) for b in long] == [round(current.e2e_median(data)[t], 2) for t in ("train", "infer")]
     zoo = [b for b in bars if b["group"].startswith("timm zoo")]
-    assert len(zoo) == len(data["zoo"]["results"]["rows"]) == 30  # stop 27: 20 default rows, 10 under CUDA graphs
+    assert len(zoo) == len(data["zoo"]["results"]["rows"]) == 40  # stops 27-28: 20 default rows, 20 under CUDA graphs
     assert data["zoo"]["provenance"]["gpu"] in zoo[0]["group"]  # not the shapes' GPU: said in the heading
 
 
