@@ -26,6 +26,8 @@
   and drops it after (patterns/sinks.py; the sinks' gradient is compared too);
 * sliding windows: one case in thirteen of the non-mutants turns its first causal mask into a
   causal window of 1 to 3 keys (`where(j <= i and j > i - W, x, v)`), or gains one with -inf;
+* chunks: one case in seventeen of the other non-mutants does the same with causal chunks of 2
+  to 4 keys (`where(j <= i and j // C == i // C, x, v)`, Llama 4; the op's `chunk`);
 * the route: one case in seven of the others (seed % 7 == 2) is rewritten with
   FUSE_PLUGIN_SITE_CHOICE=sdpa, a hand-written site becoming an SDPA call where it can be one
   (patterns/attention._sdpa_call: masks folded into one attn_mask, eager's NaN rows restored, but
@@ -162,6 +164,14 @@ def make_case(seed: int) -> Case:
             causal[0].spelling = f"window{1 + seed % 3}"
         else:
             case.masks.append(MaskStep("causal", f"window{1 + seed % 3}", -math.inf))
+    # one case in seventeen of the others: causal chunks of C 2 to 4 keys (`j <= i and j // C == i // C`,
+    # Llama 4's chunked attention; patterns/mask_structure.chunk_of, the op's `chunk`) (no draw)
+    elif seed % 17 == 9 and not case.mutant:
+        causal = [m for m in case.masks if m.kind == "causal"]
+        if causal:
+            causal[0].spelling = f"chunk{2 + seed % 3}"
+        else:
+            case.masks.append(MaskStep("causal", f"chunk{2 + seed % 3}", -math.inf))
     # one case in eleven of the other 4-D ones has gpt-oss's sink column (no draw either)
     if not merged and not case.mutant and case.product != "sdpa" and case.route == "ours" and seed % 11 == 5:
         case.sinks = "cat_max" if seed % 2 else "cat"
@@ -211,11 +221,15 @@ class FuzzModule(nn.Module):
                 return x.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=x.device).tril(), value)
             if m.spelling == "fill_triu":
                 return x.masked_fill(torch.ones(lq, lk, device=x.device).triu(1).bool(), value)
-            if m.spelling == "where" or m.spelling.startswith("window"):
+            if m.spelling == "where" or m.spelling.startswith(("window", "chunk")):
                 keep = torch.arange(lk, device=x.device)[None, :] <= torch.arange(lq, device=x.device)[:, None]
                 if m.spelling.startswith("window"):
                     w = int(m.spelling[len("window"):])
                     keep = keep & (torch.arange(lk, device=x.device)[None, :] > torch.arange(lq, device=x.device)[:, None] - w)
+                if m.spelling.startswith("chunk"):
+                    n = int(m.spelling[len("chunk"):])
+                    keep = keep & (torch.arange(lk, device=x.device)[None, :] // n
+                                   == torch.arange(lq, device=x.device)[:, None] // n)
                 return torch.where(keep, x, value)
             return x + torch.full((lq, lk), value, dtype=x.dtype, device=x.device).triu(1)
         keep = pad_keep if m.kind == "pad" else rand_keep
@@ -255,6 +269,9 @@ class FuzzModule(nn.Module):
                     keep = keep & torch.ones(lq, lk, dtype=torch.bool).tril()
                     if m.spelling.startswith("window"):
                         keep = keep & ~torch.ones(lq, lk, dtype=torch.bool).tril(-int(m.spelling[len("window"):]))
+                    if m.spelling.startswith("chunk"):
+                        n = int(m.spelling[len("chunk"):])
+                        keep = keep & (torch.arange(lk)[None, :] // n == torch.arange(lq)[:, None] // n)
                 else:
                     keep = keep & (pad_keep if m.kind == "pad" else rand_keep)
             return keep, False

@@ -133,11 +133,13 @@ def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
 
 
 def attention_pair(q, k, v, dout, bias=None, is_causal=True, need_dbias=False, p=0.0, seed=None,
-                   replace=None, window=0):
+                   replace=None, window=0, chunk=0):
     scale = q.shape[-1] ** -0.5
     extra = {} if replace is None else {"replace": replace}
     if window:
         extra["window"] = window
+    if chunk:
+        extra["chunk"] = chunk
     out, lse = OPS.attention(q, k, v, bias, p, is_causal, scale, dropout_seed=seed, **extra)
     dq, dk, dv, db = OPS.attention_backward(dout, q, k, v, bias, out, lse, p, is_causal, scale,
                                             seed, need_dbias, **extra)
@@ -145,7 +147,7 @@ def attention_pair(q, k, v, dout, bias=None, is_causal=True, need_dbias=False, p
 
 
 def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias=False, p=0.0,
-                   is_causal=True, device="cuda", replace=False, window=0):
+                   is_causal=True, device="cuda", replace=False, window=0, chunk=0):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -170,7 +172,7 @@ def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias
         bias = extra[0] if mask else None
         seed = extra[1 if mask else 0] if p else None
         return attention_pair(q, k, v, dout, bias, is_causal, need_dbias, p, seed,
-                              extra[-1] if replace else None, window)
+                              extra[-1] if replace else None, window, chunk)
 
     return trace(fn, q, k, v, dout, *extra)
 
@@ -363,6 +365,8 @@ CASES = {
     # a sliding window (issue 31) where the TMA / cuDNN families would take the causal problem:
     # the general kernels, the window an int argument of each launch
     "window": lambda: attention_case(1, 16, 4, 4000, 128, window=512),
+    # chunked attention (issue 31, Llama 4): the same kernels, the chunk their int "window" argument
+    "chunk": lambda: attention_case(1, 16, 4, 4000, 128, chunk=1024),
     # BERT's attention (128 tokens: one key block): the one-launch backward
     "one_key_block": lambda: attention_case(32, 12, 12, 128, 64, mask="bool", p=0.1,
                                             is_causal=False),

@@ -72,6 +72,7 @@ DECODE_SPLIT, DECODE_COMBINE = "attention_decode_split_kernel", "attention_decod
     ("replace_mask", [FWD, PRE, ATOMIC]),
     ("dropout", [FWD, PRE, ATOMIC]),
     ("window", [FWD, PRE, ATOMIC]),
+    ("chunk", [FWD, PRE, ATOMIC]),
     ("one_key_block", [FWD, ATOMIC]),  # no preprocess, dQ stored by the kernel: no cast either
     ("d80", [FWD, PRE, ATOMIC]),
     ("fp32", [FWD, PRE, ATOMIC]),

@@ -1,7 +1,8 @@
 """Mask structure read from the graph (issue 31): a sliding window's lower bound, chunks and
 documents, proven from their index comparisons for every size and named by `explain`. A window
-beside the causal mask becomes the op's `window` argument (tests/test_window.py); chunks and
-documents stay in the bias (the rewrite's numbers unchanged)."""
+beside the causal mask becomes the op's `window` argument (tests/test_window.py), chunks beside it
+its `chunk` argument (tests/test_chunk.py); documents, and chunks without a causal mask, stay in the
+bias (the rewrite's numbers unchanged)."""
 import pytest
 import torch
 from torch import nn
@@ -83,7 +84,10 @@ def test_hf_mistral_sliding_window_is_named():
 def test_chunks_are_named(chunk):
     """Llama 4's chunked attention: keys of the query's own chunk (with causal beside it)."""
     text = explained(lambda i, j: (j <= i) & chunk(i, j))
-    assert "chunks of 4 (proved: query i sees keys j with j // 4 == i // 4)" in text
+    assert "chunks of 4 (proved: query i sees keys j with j // 4 == i // 4, j <= i): the kernels skip" in text
+    # without the causal mask (block-diagonal): named, kept in the bias
+    text = explained(chunk)
+    assert "chunks of 4 (proved: query i sees keys j with j // 4 == i // 4), kept in the bias" in text
 
 
 @pytest.mark.parametrize("keep", [

@@ -10,6 +10,8 @@ from .attention_tiles import (
     _LOG2E,
     _LSE_EXACT_LIMIT,
     _atomic_add_dq,
+    _band_end,
+    _band_lo,
     _capped_scores,
     _dot,
     _dot_acc,
@@ -552,9 +554,9 @@ def attention_bwd_dkdv_kernel(
         lo = (start_n // BLOCK_M) * BLOCK_M
     else:
         lo = 0
-    # Sliding window: query rows from this block's last key + window on see none of it.
+    # Sliding window (or chunks): query rows from the band's end after this block's last key see none of it.
     if WINDOW:
-        end = tl.minimum(Lq, start_n + BLOCK_N - 1 + window)
+        end = tl.minimum(Lq, _band_end(start_n + BLOCK_N - 1, window, WINDOW))
     else:
         end = Lq
     # Every query head of the GQA group accumulates into the same registers: no atomics.
@@ -689,9 +691,9 @@ def attention_bwd_dq_kernel(
         hi = tl.minimum(Lk, start_m + BLOCK_M)
     else:
         hi = Lk
-    # Sliding window: key blocks ending before the block's first row's first key are hidden.
+    # Sliding window (or chunks): key blocks ending before the block's first row's first key are hidden.
     if WINDOW:
-        lo = (tl.maximum(start_m - window + 1, 0) // BLOCK_N) * BLOCK_N
+        lo = (_band_lo(start_m, window, WINDOW) // BLOCK_N) * BLOCK_N
     else:
         lo = 0
     for start_n in range(lo, hi, BLOCK_N):

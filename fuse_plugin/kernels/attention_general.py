@@ -149,7 +149,8 @@ def _dots(q) -> dict:
 
 def _common(call) -> dict:
     """The constexprs every general kernel takes: the masks, the bias's form, the dots'."""
-    return dict(IS_CAUSAL=call.is_causal, WINDOW=bool(call.window), BIAS_KIND=call.kind,
+    # WINDOW: 0 none, 1 a sliding window, 2 chunks (attention_tiles._band_lo); its size: "window"
+    return dict(IS_CAUSAL=call.is_causal, WINDOW=2 if call.chunk else bool(call.window), BIAS_KIND=call.kind,
                 HAS_REPLACE=call.has_rep, BIAS_KEYS=call.bias_keys, **_dots(call.q))
 
 
@@ -180,9 +181,9 @@ def _input_stride_args(sq, sk, sv, sb, sr, scq, sck) -> dict:
 
 def _sizes(call) -> dict:
     """The sizes every general kernel takes (head counts and dims: ints; lengths: SymInts
-    under dynamic shapes; the sliding window, 0 without one)."""
+    under dynamic shapes; the sliding window or the chunk, 0 without)."""
     _, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
-    return {"Hq": Hq, "kv_group": Hq // Hkv, "Lq": Lq, "Lk": Lk, "window": call.window, "D": D,
+    return {"Hq": Hq, "kv_group": Hq // Hkv, "Lq": Lq, "Lk": Lk, "window": call.chunk or call.window, "D": D,
             "Dv": Dv}
 
 

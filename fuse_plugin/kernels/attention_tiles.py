@@ -126,6 +126,29 @@ def _zero_parts(ROWS: tl.constexpr, W0: tl.constexpr, W1: tl.constexpr, W2: tl.c
 
 
 @triton.jit
+def _band_lo(row, window, WINDOW: tl.constexpr):
+    """The first key query ``row`` sees under its band (with causal): WINDOW 1, a sliding window
+    (keys row - window + 1 .. row); WINDOW 2, chunks of ``window`` keys (keys of row's chunk,
+    (row // window) * window .. row: Llama 4's chunked attention)."""
+    if WINDOW == 2:
+        lo = (row // window) * window
+    else:
+        lo = tl.maximum(row - window + 1, 0)
+    return lo
+
+
+@triton.jit
+def _band_end(key, window, WINDOW: tl.constexpr):
+    """The first query row that no longer sees ``key`` under the band (``_band_lo``): rows from
+    it on start their keys after ``key``."""
+    if WINDOW == 2:
+        end = (key // window + 1) * window
+    else:
+        end = key + window
+    return end
+
+
+@triton.jit
 def _key_blocks(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, WINDOW: tl.constexpr = False, window=0):
     """The forward's key range for the query block at ``start_m``: ``(lo, full_lo, full_end,
@@ -134,7 +157,8 @@ def _key_blocks(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
     partial key block, and with a sliding window the window's lower edge. Causal (top-left): key
     blocks starting after the block's last row are fully masked and skipped. WINDOW (with
     causal; query i sees keys i - window + 1 .. i): key blocks ending before the block's first
-    row's first key are skipped too, found from the sizes alone (O(1), no mask is read)."""
+    row's first key are skipped too, found from the sizes alone (O(1), no mask is read); WINDOW 2
+    (chunks, ``_band_lo``): likewise the key blocks before the block's first row's chunk."""
     if IS_CAUSAL:
         hi = tl.minimum(Lk, start_m + BLOCK_M)
         full_end = (tl.minimum(start_m + 1, Lk) // BLOCK_N) * BLOCK_N
@@ -142,9 +166,9 @@ def _key_blocks(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
         hi = Lk
         full_end = (Lk // BLOCK_N) * BLOCK_N
     if WINDOW:
-        lo = (tl.maximum(start_m - window + 1, 0) // BLOCK_N) * BLOCK_N
+        lo = (_band_lo(start_m, window, WINDOW) // BLOCK_N) * BLOCK_N
         # the first key block every row of the block sees whole: its last row's first key on
-        full_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N
+        full_lo = tl.cdiv(_band_lo(start_m + BLOCK_M - 1, window, WINDOW), BLOCK_N) * BLOCK_N
         full_lo = tl.minimum(tl.maximum(full_lo, lo), full_end)
     else:
         lo = 0
@@ -189,7 +213,8 @@ def _query_blocks(start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexp
     sliding window's edge). The blocks visited are those starting in [lo, end). Causal: query
     blocks ending before the key block's first key see none of it. WINDOW (with causal; query
     i sees keys i - window + 1 .. i): query blocks starting at or after the block's last key +
-    window see none of it either (``end``); without it ``end`` is Lq."""
+    window see none of it either (``end``; WINDOW 2, chunks: rows after the last key's chunk);
+    without it ``end`` is Lq."""
     if IS_CAUSAL:
         lo = (start_n // BLOCK_M) * BLOCK_M
         mid = tl.cdiv(start_n + BLOCK_N - 1, BLOCK_M) * BLOCK_M
@@ -198,10 +223,10 @@ def _query_blocks(start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexp
         mid = 0
     mid = tl.minimum(tl.where(start_n + BLOCK_N > Lk, Lq, mid), Lq)
     if WINDOW:
-        end = tl.minimum(Lq, start_n + BLOCK_N - 1 + window)
+        end = tl.minimum(Lq, _band_end(start_n + BLOCK_N - 1, window, WINDOW))
         mid = tl.minimum(mid, end)
         # blocks whose last row still sees this block's first key are fully visible
-        full_hi = tl.minimum(((start_n + window) // BLOCK_M) * BLOCK_M,
+        full_hi = tl.minimum((_band_end(start_n, window, WINDOW) // BLOCK_M) * BLOCK_M,
                              tl.cdiv(Lq, BLOCK_M) * BLOCK_M)
         n_full = tl.maximum(full_hi - mid, 0) // BLOCK_M
     else:
@@ -433,7 +458,7 @@ def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, 
     there: a key-padding mask, (B, 1, 1, Lk) broadcast): one value per key is loaded, a vector
     broadcast against the tile, not a tile of repeated values. WINDOW (with IS_CAUSAL): the
     keys at or before row - window are masked too (a sliding window: key j visible to query i
-    iff i - window < j <= i).
+    iff i - window < j <= i); WINDOW 2: the keys before row's chunk (``_band_lo``).
     """
     s = qk * score_scale
     if HAS_REPLACE:
@@ -455,7 +480,7 @@ def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, 
         if IS_CAUSAL:
             keep = keep & (cols <= row0 + r)
             if WINDOW:
-                keep = keep & (cols > row0 + r - window)
+                keep = keep & (cols >= _band_lo(row0 + r, window, WINDOW))
         s = tl.where(keep, s, float("-inf"))
     return s
 

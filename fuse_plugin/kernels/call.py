@@ -118,6 +118,18 @@ def check_window(window: int, is_causal: bool) -> None:
                          "bounds the keys a causal query sees: i - window < j <= i)")
 
 
+def check_chunk(chunk: int, is_causal: bool, window: int = 0) -> None:
+    """chunk: an int >= 0 (0 = none); a chunk > 0 comes with is_causal and no window (query i sees
+    the keys of its chunk up to itself: i // chunk == j // chunk, j <= i; Llama 4's chunked attention)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"fuse_plugin::attention: chunk must be an int >= 0 (0 = none), got {chunk!r}")
+    if chunk and not is_causal:
+        raise ValueError(f"fuse_plugin::attention: chunk={chunk} needs is_causal=True (query i sees keys j with "
+                         "j // chunk == i // chunk and j <= i)")
+    if chunk and window:
+        raise ValueError(f"fuse_plugin::attention: chunk={chunk} and window={window} together (one band at a time)")
+
+
 def check_softcap(softcap: float) -> None:
     """softcap: a finite number >= 0 (0 = off)."""
     if not (softcap >= 0.0 and math.isfinite(softcap)):
@@ -229,6 +241,7 @@ class AttentionCall:
     config: Any = None  # a config the caller gave (names its family), else None
     window: int = 0  # sliding window (with is_causal): query i sees keys i - window + 1 .. i
     need_lse: bool = True  # forward: False lets a family skip the logsumexp (inference; lse unspecified)
+    chunk: int = 0  # chunked attention (with is_causal): query i sees keys j, j // chunk == i // chunk, j <= i
     # backward only
     dout: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
@@ -265,20 +278,22 @@ class AttentionCall:
     @classmethod
     def forward(cls, q, k, v, bias, *, is_causal, scale, config=None, rope=None, dropout_p=0.0,
                 dropout_seed=None, softcap=0.0, replace=None, window=0,
-                need_lse=True) -> "AttentionCall":
+                need_lse=True, chunk=0) -> "AttentionCall":
         check_inputs(q, k, v, bias)
         check_window(window, is_causal)
+        check_chunk(chunk, is_causal, window)
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         call = cls("fwd", q, k, v, bias, bool(is_causal), scale, dropout_p, dropout_seed, softcap,
-                   replace, rope, config, window=window, need_lse=bool(need_lse))
+                   replace, rope, config, window=window, need_lse=bool(need_lse), chunk=chunk)
         return call._derive()
 
     @classmethod
     def backward(cls, dout, q, k, v, bias, out, lse, *, is_causal, scale, need_dbias, config=None,
                  deterministic=None, rope=None, dropout_p=0.0, dropout_seed=None, group_split=None,
-                 softcap=0.0, replace=None, window=0) -> "AttentionCall":
+                 softcap=0.0, replace=None, window=0, chunk=0) -> "AttentionCall":
         check_inputs(q, k, v, bias)
         check_window(window, is_causal)
+        check_chunk(chunk, is_causal, window)
         inputs = (q, k, v)
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         dout = unit_last_stride(dout)  # the forward's layout (out_layout): read by its strides
@@ -290,7 +305,7 @@ class AttentionCall:
         if deterministic is None:
             deterministic = torch.are_deterministic_algorithms_enabled()
         call = cls("bwd", q, k, v, bias, bool(is_causal), scale, dropout_p, dropout_seed, softcap,
-                   replace, rope, config, window=window, dout=dout, out=out, lse=lse,
+                   replace, rope, config, window=window, chunk=chunk, dout=dout, out=out, lse=lse,
                    need_dbias=bool(need_dbias),
                    deterministic=bool(deterministic), group_split=group_split, inputs=inputs)
         return call._derive()
@@ -370,8 +385,9 @@ class AttentionCall:
         the sizes' hints."""
         B, Hq, Lq, D, _, Lk, _ = self.sizes
         f = 4.0 * hint(B) * Hq * hint(Lq) * hint(Lk) * D
-        if self.window:
-            return f * window_area(hint(Lq), hint(Lk), self.window) / (hint(Lq) * hint(Lk))
+        if self.window or self.chunk:
+            area = window_area(hint(Lq), hint(Lk), self.window, self.chunk)
+            return f * area / (hint(Lq) * hint(Lk))
         return f * (0.5 if self.is_causal else 1.0)
 
     def describe(self) -> str:
@@ -384,6 +400,7 @@ class AttentionCall:
             if self.period is not None:
                 parts.append(f"window-periodic ({self.period})")
         for on, what in ((self.is_causal, "causal"), (self.window, f"window {self.window}"),
+                         (self.chunk, f"chunks of {self.chunk}"),
                          (self.dropout, "dropout"),
                          (self.softcapped, "softcap"), (self.has_rep, "replace mask"),
                          (self.rope is not None, "rope"), (self.need_dbias, "dbias"),
@@ -393,10 +410,12 @@ class AttentionCall:
         return ", ".join(parts)
 
 
-def window_area(Lq: int, Lk: int, window: int) -> int:
-    """How many (query, key) pairs a causal sliding window leaves visible (top-left aligned: key
-    j visible to query i iff i - window < j <= i, j < Lk)."""
+def window_area(Lq: int, Lk: int, window: int, chunk: int = 0) -> int:
+    """How many (query, key) pairs a causal sliding window (or chunks) leave visible (top-left
+    aligned: key j visible to query i iff i - window < j <= i, resp. (i // chunk) * chunk <= j <=
+    i; j < Lk)."""
     total = 0
     for i in range(Lq):  # closed form per row; Lq is at most a few 100k
-        total += max(0, min(i, Lk - 1) - max(i - window + 1, 0) + 1)
+        first = (i // chunk) * chunk if chunk else max(i - window + 1, 0)
+        total += max(0, min(i, Lk - 1) - first + 1)
     return total

@@ -83,6 +83,8 @@ class Family:
         own checks (``cannot``)."""
         if call.window and not self.takes_window:
             return "it takes no sliding window (the general kernels do)"
+        if call.chunk and not self.takes_window:
+            return "it takes no chunks (the general kernels do)"
         return self.cannot(call)
 
     def cannot(self, call) -> Optional[str]:
@@ -228,7 +230,7 @@ class Efficient(Family):
         return attention_efficient.why_not(
             call.q, call.k, call.v, call.bias, is_causal=call.is_causal, dropout=call.dropout,
             softcap=call.softcapped, replace=call.has_rep, rope=call.rope is not None,
-            window=call.window, deterministic=call.deterministic and call.direction == "bwd")
+            window=call.window or call.chunk, deterministic=call.deterministic and call.direction == "bwd")
 
     def declines(self, call):
         # taken where the choice table measured it fastest (or forced), by no rule of its own
@@ -402,7 +404,7 @@ class General(Family):
             heuristic = forward_config if call.direction == "fwd" else backward_config
             entry = fit_smem(call.direction, heuristic(D, Dv, call.q.dtype), D, Dv,
                              call.q.element_size(), call.bias_elt, call.q.device)
-        if call.window and call.direction == "bwd" and entry.num_stages > 1:
+        if (call.window or call.chunk) and call.direction == "bwd" and entry.num_stages > 1:
             # The windowed atomic backward hung the GPU (H200, Triton 3.6) with its pipelined
             # tiles (64, 128, 8 warps, 2 stages) and ran with (64, 64, 4, 1): unpipelined here.
             entry = entry._replace(num_stages=1)

@@ -60,12 +60,13 @@ def register_with_backward(lib, name: str, forward, forward_autograd, backward) 
     through attention) and otherwise dispatches below autograd."""
     backward_name = f"{name}_backward"
 
-    def backward_autograd(*args):
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+    def backward_autograd(*args, **kwargs):
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in (*args, *kwargs.values())):
             raise RuntimeError(f"fuse_plugin::{backward_name} is not differentiable (no double "
                                "backward through attention)")
         with torch._C._AutoDispatchBelowAutograd():
-            return getattr(torch.ops.fuse_plugin, backward_name).default(*args)
+            return getattr(torch.ops.fuse_plugin, backward_name).default(*args, **kwargs)
 
     lib.impl(name, forward, "CompositeExplicitAutograd")
     lib.impl(name, forward_autograd, "Autograd")

@@ -274,7 +274,8 @@ def _check_ring_arguments(op: str, values: dict, mesh) -> None:
                            ("replace", values.get("replace") is not None, "the ring takes no replace mask"),
                            ("dropout_p", bool(values.get("dropout_p")), "dropout is not drawn across shards"),
                            ("softcap", bool(values.get("softcap")), "the ring takes no softcap yet"),
-                           ("window", bool(values.get("window")), "the ring takes no sliding window on DTensors yet")):
+                           ("window", bool(values.get("window")), "the ring takes no sliding window on DTensors yet"),
+                           ("chunk", bool(values.get("chunk")), "the ring takes no chunks")):
         if on:
             raise _refuse(op, values, f"{name}={_say(values[name])}{placed(name)} is given ({what})")
     q, k = values["q"], values["k"]
@@ -674,7 +675,8 @@ def _check_site(node, values: dict, state: ContextParallelState) -> None:
     for name, on, what in (("attn_bias", values.get("attn_bias") is not None, "a mask or bias, not proven causal"),
                            ("replace", values.get("replace") is not None, "a replace mask"),
                            ("dropout_p", bool(values.get("dropout_p")), "dropout"),
-                           ("softcap", bool(values.get("softcap")), "a softcap")):
+                           ("softcap", bool(values.get("softcap")), "a softcap"),
+                           ("chunk", bool(values.get("chunk")), "chunked attention")):
         if on:
             raise _site_refusal(node, values, f"the site has {what} ({name}={_say(_value(values[name]))})")
     q, k = _value(values["q"]), _value(values["k"])

@@ -138,6 +138,7 @@ class AttentionSite:
     cast: Optional[torch.dtype] = None  # q, k, v cast to it first: autocast ran both products in it
     sinks: Optional[fx.Node] = None  # the H sink logits of a softmax with a sink column (patterns/sinks.py)
     window: int = 0  # a causal sliding window proven from the masks (the op's window; mask_structure.py)
+    chunk: int = 0  # causal chunks proven from the masks (the op's chunk; Llama 4's chunked attention)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -710,13 +711,15 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     why = _head_dims(sizes)
     if why is not None:
         return why
+    if masks.chunk and form is not None:
+        return "sinks with chunked attention (the sinks op takes no chunks)"
     return AttentionSite(
         softmax=softmax, scores=sc.product, output=ws.pv, q=o.q, k=k, v=v, rank=sc.rank,
         scale=o.qk_scale * masks.scale, scale_nodes=scale_nodes, bias_parts=masks.bias_parts,
         is_causal=masks.is_causal, causal_note=masks.causal_note, kv_groups=groups, softcap=sc.softcap,
         out_ops=o.out_ops, matched=matched, notes=masks.notes, dropout_p=ws.dropout_p,
         safe=call_of(softmax).name == "safe_softmax", carried=masks.carry.carried, period=masks.carry.period,
-        cast=o.cast, sinks=form.sinks if form is not None else None, window=masks.window,
+        cast=o.cast, sinks=form.sinks if form is not None else None, window=masks.window, chunk=masks.chunk,
     )
 
 
@@ -1097,6 +1100,7 @@ class _Masks:
     causal_note: str
     notes: list
     window: int
+    chunk: int
     carry: _Carry
 
 
@@ -1203,6 +1207,8 @@ def why_not_sdpa(site: AttentionSite) -> Optional[str]:
         return "sinks"
     if site.window:
         return "a sliding window (SDPA takes one only as a dense mask, which our op skips)"
+    if site.chunk:
+        return "chunks (SDPA takes them only as a dense mask, which our op skips)"
     if any(isinstance(p, MaskFill) and p.value != -math.inf for p in site.bias_parts):
         return "a finite fill (the op's replace mask)"
     values = [site.q.value(), site.k.value()]
@@ -1299,6 +1305,8 @@ def _op_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, replaced) -> fx
         extra["replace"] = replaced
     if site.window:  # a causal sliding window: the kernels skip the key blocks it hides
         extra["window"] = site.window
+    if site.chunk:  # causal chunks: likewise the key blocks outside each query's chunk
+        extra["chunk"] = site.chunk
     if not site.safe and not choice.needs_grad(site):
         # inference: no backward reads the lse (under autograd the op computes it regardless)
         extra["need_lse"] = False

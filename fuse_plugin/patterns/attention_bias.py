@@ -56,7 +56,7 @@ from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, ca
                           is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
 from .mask_structure import notes as structure_notes
-from .mask_structure import window_of
+from .mask_structure import chunk_of, window_of
 from .writes import written_since
 
 dtype_of = dtype  # (build_bias has a `dtype` argument)
@@ -212,9 +212,9 @@ def _finite_fill(p: MaskPart) -> bool:
     return isinstance(p, MaskFill) and p.value != -math.inf
 
 
-def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list, int], str]:
-    """(the parts left for the bias, is_causal, how the causal mask was found, notes, window), or
-    why the chain is refused.
+def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list, int, int], str]:
+    """(the parts left for the bias, is_causal, how the causal mask was found, notes, window,
+    chunk), or why the chain is refused.
 
     A causal part becomes is_causal (the op's -inf causal masking, applied after the bias) only
     where that keeps eager's value of every score it hides:
@@ -233,12 +233,15 @@ def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list, int], st
     row keeps its own key i, so no row is masked everywhere and their fill values (finfo.min
     in HF's builders) change nothing; where both fill -inf beside other parts without a finite
     fill, the hidden scores stay -inf whatever comes after. Either way the kernels then skip the
-    key blocks the window hides instead of reading them from a bias."""
+    key blocks the window hides instead of reading them from a bias. Chunks beside it
+    (mask_structure.chunk_of: the part keeps exactly i // C == j // C; Llama 4) become the op's
+    ``chunk`` by the same argument (every row keeps its own key: i // C == i // C)."""
     causal = [p for p in m.split if isinstance(p, CausalPart)]
     rest = [p for p in m.split if not isinstance(p, CausalPart)]
     parts, is_causal, source, notes, window = m.raw, False, "", [], 0
     memo: dict = {}
-    windows = [(p, window_of(p, memo)) for p in rest] if causal else []
+    # the bands beside a causal mask: (part, ("window", W) or ("chunk", C))
+    windows = [(p, _band_of(p, memo)) for p in rest] if causal else []
     windows = [(p, w) for p, w in windows if w is not None]
     if causal and not rest:
         parts, is_causal, source = [], True, causal[0].source
@@ -252,14 +255,31 @@ def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list, int], st
     elif causal:
         notes.append(f"causal mask ({causal[0].source}) kept in the bias with its own values: "
                      "is_causal's -inf masking would change rows masked everywhere")
+    chunk = 0
     if window:
         part = windows[0][0]
-        notes.append(f"sliding window {window} (proved: query i sees keys from i-{window - 1}; "
-                     f"{causal_source(part.mask)}): the kernels skip the key blocks it hides")
+        kind, window = window
+        if kind == "chunk":
+            chunk, window = window, 0
+            notes.append(f"chunks of {chunk} (proved: query i sees keys j with j // {chunk} == i // {chunk}, "
+                         "j <= i): the kernels skip the key blocks outside each query's chunk")
+        else:
+            notes.append(f"sliding window {window} (proved: query i sees keys from i-{window - 1}; "
+                         f"{causal_source(part.mask)}): the kernels skip the key blocks it hides")
         notes += structure_notes([p for p in rest if p is not part])
     else:
         notes += structure_notes(rest)
-    return parts, is_causal, source, notes, window
+    return parts, is_causal, source, notes, window, chunk
+
+
+def _band_of(p, memo: dict) -> Optional[tuple]:
+    """("window", W) or ("chunk", C) for a mask part that is a sliding window's lower bound or
+    chunks (mask_structure.py), else None."""
+    w = window_of(p, memo)
+    if w is not None:
+        return ("window", w)
+    c = chunk_of(p, memo)
+    return ("chunk", c) if c is not None else None
 
 
 def _rows_keep_own_key(lq, lk) -> bool:

@@ -8,10 +8,11 @@ is, for every size, or None:
     documents_of  keeps exactly doc[..., i] == doc[..., j] for an integer tensor doc (sequences
                   packed in one row, each attending to itself: torchtitan, TRL packing)
 
-A window beside a causal mask becomes the op's ``window`` argument (attention_bias.causal_or_bias,
-where that keeps eager's values); the kernels then skip the key blocks it hides. `notes(parts)`
-names every structure left among the bias's parts, for explain: chunks and documents always
-(no kernel takes them yet), a window where it could not become the op's argument.
+A window beside a causal mask becomes the op's ``window`` argument, chunks beside one its ``chunk``
+(attention_bias.causal_or_bias, where that keeps eager's values); the kernels then skip the key
+blocks they hide. `notes(parts)` names every structure left among the bias's parts, for explain:
+documents always (no kernel takes them yet), a window or chunks where they could not become the
+op's argument.
 """
 from __future__ import annotations
 
@@ -181,5 +182,6 @@ def notes(parts: list) -> list[str]:
         doc = documents_of(p, memo)
         if doc is not None:
             found.append(f"documents (ids from {doc.name}: query i sees keys j with doc[j] == doc[i])")
-    return [f"{what}, kept in the bias" + ("" if what.startswith("sliding") else ": the kernels take no "
-                                          "chunks or documents yet") for what in found]
+    return [f"{what}, kept in the bias" + (": the op takes chunks with a causal mask only" if what.startswith("chunks")
+                                          else ": the kernels take no documents yet" if what.startswith("documents")
+                                          else "") for what in found]
