@@ -10,7 +10,8 @@ import math
 
 import pytest
 import torch
-from helpers import DEVICE, INTERPRETER, check_close
+from helpers import DEVICE, INTERPRETER, check_close, rewrite_aot_eager
+from torch import nn
 from test_window import Banded, _rewritten
 
 import fuse_plugin
@@ -190,3 +191,37 @@ def test_chunks_stay_out_of_rope_attention_and_sdpa_calls(monkeypatch):
     torch.testing.assert_close(out, model(q, k, v))
     assert math.isclose(float(calls[0].args[6]), 0.25)
     assert attention.ATTENTION_OP is ATTENTION
+
+
+class ChunkedSinks(nn.Module):
+    """gpt-oss-style sinks (the sink column concatenated, softmax, dropped) over causal chunks."""
+
+    def forward(self, q, k, v, sinks):
+        lq = q.shape[-2]
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lq)[None, :]
+        s = (q @ k.transpose(2, 3) * 0.25).masked_fill(~((j <= i) & (i // 4 == j // 4)), float("-inf"))
+        col = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, lq, -1)
+        return torch.softmax(torch.cat([s, col], dim=-1), dim=-1)[..., :-1] @ v
+
+
+def test_sinks_with_chunks_keep_the_chunks_in_the_bias():
+    """The sinks op takes no chunks: the site is still one sinks op, its chunk mask a bias (the fuzzer
+    drew this form), with eager's numbers and gradients."""
+    model = ChunkedSinks()
+    q, k, v = (torch.randn(2, 4, 11, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    calls = []
+
+    def backend(gm, example_inputs):
+        compiled = rewrite_aot_eager(gm, example_inputs)
+        calls.extend(n for n in gm.graph.nodes if n.target is torch.ops.fuse_plugin.attention_sinks.default)
+        return compiled
+
+    torch._dynamo.reset()
+    got = torch.compile(model, backend=backend, fullgraph=True)(q, k, v, sinks)
+    assert len(calls) == 1 and "chunk" not in calls[0].kwargs and calls[0].args[3] is not None  # the mask
+    want = model(q, k, v, sinks)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v, sinks)), torch.autograd.grad(want.sum(), (q, k, v, sinks))):
+        torch.testing.assert_close(a, b)

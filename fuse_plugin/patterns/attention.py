@@ -692,7 +692,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     o = _one_dtype(o, (sc.product, ws.pv))
     if isinstance(o, str):
         return o
-    masks = _masks(sc, carry, sizes)
+    masks = _masks(sc, carry, sizes, chunks=form is None)  # (the sinks op takes no chunks: they stay a bias)
     if isinstance(masks, str):
         return masks
     if sc.rank == 5 and (masks.bias_parts or masks.carry.carried):
@@ -711,8 +711,6 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     why = _head_dims(sizes)
     if why is not None:
         return why
-    if masks.chunk and form is not None:
-        return "sinks with chunked attention (the sinks op takes no chunks)"
     return AttentionSite(
         softmax=softmax, scores=sc.product, output=ws.pv, q=o.q, k=k, v=v, rank=sc.rank,
         scale=o.qk_scale * masks.scale, scale_nodes=scale_nodes, bias_parts=masks.bias_parts,
@@ -1104,7 +1102,7 @@ class _Masks:
     carry: _Carry
 
 
-def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes) -> Union[_Masks, str]:
+def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes, chunks: bool = True) -> Union[_Masks, str]:
     """The chain's masks read (attention_bias.read_masks, causal_or_bias), or why not. A
     window-periodic carry that another mask does not fit (one per image) is redone whole."""
     r = _read_masks(carry, sc.canonical, sizes)
@@ -1115,7 +1113,7 @@ def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes) -> Union[_Masks, str]:
         r = _read_masks(carry, sc.canonical, sizes)
     if isinstance(r, str):
         return r
-    r2 = causal_or_bias(r)
+    r2 = causal_or_bias(r, chunks)
     if isinstance(r2, str):
         return r2
     return _Masks(r.scale, r.scale_nodes, *r2, carry)

@@ -212,7 +212,7 @@ def _finite_fill(p: MaskPart) -> bool:
     return isinstance(p, MaskFill) and p.value != -math.inf
 
 
-def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list, int, int], str]:
+def causal_or_bias(m: ScoreMasks, chunks: bool = True) -> Union[tuple[list, bool, str, list, int, int], str]:
     """(the parts left for the bias, is_causal, how the causal mask was found, notes, window,
     chunk), or why the chain is refused.
 
@@ -235,14 +235,15 @@ def causal_or_bias(m: ScoreMasks) -> Union[tuple[list, bool, str, list, int, int
     fill, the hidden scores stay -inf whatever comes after. Either way the kernels then skip the
     key blocks the window hides instead of reading them from a bias. Chunks beside it
     (mask_structure.chunk_of: the part keeps exactly i // C == j // C; Llama 4) become the op's
-    ``chunk`` by the same argument (every row keeps its own key: i // C == i // C)."""
+    ``chunk`` by the same argument (every row keeps its own key: i // C == i // C); not with
+    ``chunks`` False (the sinks op takes none: they stay in the bias, as other masks)."""
     causal = [p for p in m.split if isinstance(p, CausalPart)]
     rest = [p for p in m.split if not isinstance(p, CausalPart)]
     parts, is_causal, source, notes, window = m.raw, False, "", [], 0
     memo: dict = {}
     # the bands beside a causal mask: (part, ("window", W) or ("chunk", C))
     windows = [(p, _band_of(p, memo)) for p in rest] if causal else []
-    windows = [(p, w) for p, w in windows if w is not None]
+    windows = [(p, w) for p, w in windows if w is not None and (chunks or w[0] != "chunk")]
     if causal and not rest:
         parts, is_causal, source = [], True, causal[0].source
     elif causal and all(p.value == -math.inf for p in causal) and not any(_finite_fill(p) for p in rest):

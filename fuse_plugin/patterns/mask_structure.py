@@ -182,6 +182,6 @@ def notes(parts: list) -> list[str]:
         doc = documents_of(p, memo)
         if doc is not None:
             found.append(f"documents (ids from {doc.name}: query i sees keys j with doc[j] == doc[i])")
-    return [f"{what}, kept in the bias" + (": the op takes chunks with a causal mask only" if what.startswith("chunks")
-                                          else ": the kernels take no documents yet" if what.startswith("documents")
-                                          else "") for what in found]
+    why = {"chunks": ": the op takes chunks beside a causal mask, and not with sinks",
+           "documents": ": the kernels take no documents yet"}
+    return [f"{what}, kept in the bias" + why.get(what.split(" ")[0], "") for what in found]
