@@ -157,21 +157,16 @@ def make_case(seed: int) -> Case:
     elif seed % 7 == 2:  # (no draw either)
         case.route = "sdpa"
     # one case in thirteen: its causal `where` mask is a sliding window, keys i-W+1 .. i with W
-    # 1 to 3 (HF Mistral's `kv > q - W` beside `kv <= q`; patterns/attention_bias.window_of) (no draw)
-    if seed % 13 == 6 and not case.mutant:
+    # 1 to 3 (HF Mistral's `kv > q - W` beside `kv <= q`; patterns/attention_bias.window_of); one in
+    # seventeen of the others: causal chunks of C 2 to 4 keys (`j <= i and j // C == i // C`, Llama 4's
+    # chunked attention; patterns/mask_structure.chunk_of, the op's `chunk`) (no draw)
+    band = f"window{1 + seed % 3}" if seed % 13 == 6 else f"chunk{2 + seed % 3}" if seed % 17 == 9 else None
+    if band is not None and not case.mutant:
         causal = [m for m in case.masks if m.kind == "causal"]
         if causal:
-            causal[0].spelling = f"window{1 + seed % 3}"
+            causal[0].spelling = band
         else:
-            case.masks.append(MaskStep("causal", f"window{1 + seed % 3}", -math.inf))
-    # one case in seventeen of the others: causal chunks of C 2 to 4 keys (`j <= i and j // C == i // C`,
-    # Llama 4's chunked attention; patterns/mask_structure.chunk_of, the op's `chunk`) (no draw)
-    elif seed % 17 == 9 and not case.mutant:
-        causal = [m for m in case.masks if m.kind == "causal"]
-        if causal:
-            causal[0].spelling = f"chunk{2 + seed % 3}"
-        else:
-            case.masks.append(MaskStep("causal", f"chunk{2 + seed % 3}", -math.inf))
+            case.masks.append(MaskStep("causal", band, -math.inf))
     # one case in eleven of the other 4-D ones has gpt-oss's sink column (no draw either)
     if not merged and not case.mutant and case.product != "sdpa" and case.route == "ours" and seed % 11 == 5:
         case.sinks = "cat_max" if seed % 2 else "cat"
