@@ -56,7 +56,7 @@ from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, ca
                           is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
 from .mask_structure import notes as structure_notes
-from .mask_structure import chunk_of, window_of
+from .mask_structure import band_of
 from .writes import written_since
 
 dtype_of = dtype  # (build_bias has a `dtype` argument)
@@ -242,7 +242,7 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True) -> Union[tuple[list, bool
     parts, is_causal, source, notes, window = m.raw, False, "", [], 0
     memo: dict = {}
     # the bands beside a causal mask: (part, ("window", W) or ("chunk", C))
-    windows = [(p, _band_of(p, memo)) for p in rest] if causal else []
+    windows = [(p, band_of(p, memo)) for p in rest] if causal else []
     windows = [(p, w) for p, w in windows if w is not None and (chunks or w[0] != "chunk")]
     if causal and not rest:
         parts, is_causal, source = [], True, causal[0].source
@@ -271,16 +271,6 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True) -> Union[tuple[list, bool
     else:
         notes += structure_notes(rest)
     return parts, is_causal, source, notes, window, chunk
-
-
-def _band_of(p, memo: dict) -> Optional[tuple]:
-    """("window", W) or ("chunk", C) for a mask part that is a sliding window's lower bound or
-    chunks (mask_structure.py), else None."""
-    w = window_of(p, memo)
-    if w is not None:
-        return ("window", w)
-    c = chunk_of(p, memo)
-    return ("chunk", c) if c is not None else None
 
 
 def _rows_keep_own_key(lq, lk) -> bool:

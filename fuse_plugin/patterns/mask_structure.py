@@ -166,17 +166,28 @@ def documents_of(p, memo: dict) -> Optional[fx.Node]:
     return doc
 
 
+def band_of(p, memo: dict) -> Optional[tuple]:
+    """("window", W) or ("chunk", C) for a part that is a sliding window's lower bound or chunks,
+    else None: the bands the op takes beside a causal mask (attention_bias.causal_or_bias)."""
+    w = window_of(p, memo)
+    if w is not None:
+        return ("window", w)
+    c = chunk_of(p, memo)
+    return ("chunk", c) if c is not None else None
+
+
 def notes(parts: list) -> list[str]:
     """explain's words for every structure among the mask parts left for the bias."""
     memo: dict = {}
     found = []
     for p in parts:
-        w = window_of(p, memo)
-        if w is not None:
+        band = band_of(p, memo)
+        if band is not None and band[0] == "window":
+            w = band[1]
             found.append(f"sliding window {w} (proved: query i sees keys from i-{w - 1}; {causal_source(p.mask)})")
             continue
-        c = chunk_of(p, memo)
-        if c is not None:
+        if band is not None:
+            c = band[1]
             found.append(f"chunks of {c} (proved: query i sees keys j with j // {c} == i // {c})")
             continue
         doc = documents_of(p, memo)
