@@ -239,3 +239,21 @@ def test_a_gpu_set_measured_for_some_classes_adds_to_the_others(tmp_path):
     assert choice_table.entries_of(path, "GPU B") == {"k1": a, "k2": b, "k3": b}
     assert choice_table.entries_of(path, "Other") == {"k1": a, "k2": a, "k3": b}
     assert choice_table.entries_of(tmp_path / "missing.json", "GPU A") == {}
+
+
+def test_a_band_site_is_timed_by_the_families_that_run_bands():
+    """A sliding window or chunks (issue 31) reach the choice as the causal class; only the
+    families with ``takes_window`` run a band, so our op's time is theirs, not cuDNN's."""
+    times = {"fwd": {"cudnn": 10.0, "general": 30.0}, "bwd": {"cudnn": 20.0, "two_kernel": 50.0},
+             "inductor": {"fwd": 25.0, "train": 60.0}}
+    assert choice.ours_time(times, "fwd") == (10.0, "cudnn")
+    assert choice.ours_time(times, "fwd", band=True) == (30.0, "general")
+    assert choice.ours_time(times, "train", band=True) == (80.0, "general + two_kernel")
+    assert choice.decide_from(times, "fwd", "k").ours
+    left = choice.decide_from(times, "fwd", "k", band=True)
+    assert not left.ours and "30.0 us for general" in left.reason
+    # no family that runs bands was measured: a hand-written site keeps our op, an SDPA call stays
+    only_cudnn = {"fwd": {"cudnn": 10.0}, "bwd": {"cudnn": 20.0}, "inductor": {"fwd": 25.0}, "sdpa": {"fwd": 12.0}}
+    assert choice.ours_time(only_cudnn, "fwd", band=True) is None
+    assert choice.decide_from(only_cudnn, "fwd", "k", band=True).ours
+    assert not choice.decide_sdpa_from(only_cudnn, "fwd", "k", band=True).ours

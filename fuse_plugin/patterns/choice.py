@@ -110,10 +110,15 @@ def class_of(site) -> tuple[Optional[str], str, torch.device]:
     return key, "train" if needs_grad(site) else "fwd", qv.device
 
 
-def ours_time(times: dict, mode: str) -> Optional[tuple[float, str]]:
+def ours_time(times: dict, mode: str, band: bool = False) -> Optional[tuple[float, str]]:
     """(microseconds, families) of our op for a class: the forward's fastest family, and in
-    training plus the backward's fastest (the launchers choose each direction on its own)."""
+    training plus the backward's fastest (the launchers choose each direction on its own).
+    ``band``: the site has a sliding window or chunks, which only some families run
+    (registry's ``takes_window``); the class is the causal one, and those families' causal time
+    is an upper bound of the band's (its key blocks are a subset)."""
     fwd, bwd = times.get("fwd", {}), times.get("bwd", {})
+    if band:
+        fwd, bwd = _band_families(fwd, "fwd"), _band_families(bwd, "bwd")
     if not fwd or (mode == "train" and not bwd):
         return None
     f_name = min(fwd, key=fwd.get)
@@ -121,6 +126,17 @@ def ours_time(times: dict, mode: str) -> Optional[tuple[float, str]]:
         return fwd[f_name], f_name
     b_name = min(bwd, key=bwd.get)
     return fwd[f_name] + bwd[b_name], f"{f_name} + {b_name}"
+
+
+def _band_families(times: dict, direction: str) -> dict:
+    from ..kernels import registry
+
+    return {name: us for name, us in times.items()
+            if getattr(registry.FAMILIES[direction].get(name), "takes_window", False)}
+
+
+def _band(site) -> bool:
+    return bool(getattr(site, "window", 0) or getattr(site, "chunk", 0))
 
 
 def decide(site) -> Decision:
@@ -147,7 +163,7 @@ def decide(site) -> Decision:
         rule = _rule(site)
         if rule is not None:
             return Decision(False, rule)
-    return decide_from(times, mode, key, sdpa_ok=no_sdpa is None)
+    return decide_from(times, mode, key, sdpa_ok=no_sdpa is None, band=_band(site))
 
 
 # Measured rules, for classes the choice table does not hold (on the GPU). Each says where it
@@ -198,14 +214,15 @@ def _rule(site) -> Optional[str]:
     return None
 
 
-def decide_from(times: Optional[dict], mode: str, key: Optional[str], sdpa_ok: bool = False) -> Decision:
+def decide_from(times: Optional[dict], mode: str, key: Optional[str], sdpa_ok: bool = False,
+                band: bool = False) -> Decision:
     """The decision for a hand-written site of a class measured as ``times``
     (choice_table.lookup; None: not measured) in ``mode`` ("fwd": inference, "train"): the
     fastest of our op, Inductor's decomposition and (``sdpa_ok``: the site can be one,
-    attention.why_not_sdpa) an SDPA call."""
+    attention.why_not_sdpa) an SDPA call. ``band``: see ours_time."""
     inductor = (times or {}).get(choice_table.INDUCTOR, {}).get(mode)
     sdpa = (times or {}).get(choice_table.SDPA, {}).get(mode) if sdpa_ok else None
-    ours = ours_time(times, mode) if times else None
+    ours = ours_time(times, mode, band) if times else None
     if ours is None or (inductor is None and sdpa is None):
         return Decision(True, "")
     us, families = ours
@@ -253,7 +270,7 @@ def decide_sdpa(site) -> Decision:
     if windowed is not None:
         return windowed
     key, mode, device = class_of(site)
-    return decide_sdpa_from(choice_table.lookup(device, key), mode, key, _dense_mask_dropped(site))
+    return decide_sdpa_from(choice_table.lookup(device, key), mode, key, _dense_mask_dropped(site), _band(site))
 
 
 # An SDPA call under PyTorch's context_parallel(...) is ringed by PyTorch (its wrapper makes q/k/v
@@ -280,11 +297,12 @@ def _context_parallel_on() -> bool:
 
 
 def decide_sdpa_from(times: Optional[dict], mode: str, key: Optional[str],
-                     mask_dropped: bool = False) -> Decision:
+                     mask_dropped: bool = False, band: bool = False) -> Decision:
     """The decision for an SDPA call site of a class measured as ``times`` in ``mode``;
-    ``mask_dropped``: the call passed a dense mask the plan reads as causal (module docstring)."""
+    ``mask_dropped``: the call passed a dense mask the plan reads as causal (module docstring);
+    ``band``: see ours_time."""
     sdpa = (times or {}).get(choice_table.SDPA, {}).get(mode)
-    ours = ours_time(times, mode) if times else None
+    ours = ours_time(times, mode, band) if times else None
     if sdpa is None or ours is None:
         return Decision(False, f"left as SDPA: our op is not measured against it for this class ({mode}, {key})")
     if mask_dropped and sdpa < ours[0] <= sdpa * MASKED_SDPA_TIE:
