@@ -21,6 +21,9 @@
   repeat_interleave or repeat_kv. Eager is SDPA's math backend (rows masked everywhere give 0;
   the CPU flash kernel's backward zeroes a float64 row biased by finfo.min everywhere, which its
   forward and the math give uniform weights); the rewrite runs with FUSE_PLUGIN_SITE_CHOICE=ours;
+* bias tables: one case in seven of the non-mutants with a learned bias gathers it from a table
+  parameter by an index buffer (LeViT's `table[:, idx]`, Swin's `table[idx.view(-1)].view(...)`
+  when merged; negative indices too): the rewrite's fuse_plugin.table_gather (patterns/bias_table.py);
 * sinks: one case in eleven of the other 4-D hand-written ones joins gpt-oss's sink column (a
   learned logit per head) to the scores before the softmax, with or without the max subtraction,
   and drops it after (patterns/sinks.py; the sinks' gradient is compared too);
@@ -96,6 +99,7 @@ class Case:
     variant: str = "none"  # a mutant, a positive extra, or none
     route: str = "ours"  # ours | sdpa (FUSE_PLUGIN_SITE_CHOICE for the rewrite)
     sinks: str = "none"  # none | cat | cat_max: gpt-oss's sink column (patterns/sinks.py)
+    table: bool = False  # the learned biases gathered from a table by an index buffer (patterns/bias_table.py)
 
     @property
     def mutant(self) -> bool:
@@ -107,7 +111,8 @@ class Case:
                 f"D{self.d} Dv{self.dv} {self.layout} {self.product} scale={self.scale} [{masks}] "
                 f"softmax={self.softmax} dropout={self.dropout} gqa={self.gqa} pv={self.pv} variant={self.variant}"
                 + (f" route={self.route}" if self.route != "ours" else "")
-                + (f" sinks={self.sinks}" if self.sinks != "none" else ""))
+                + (f" sinks={self.sinks}" if self.sinks != "none" else "")
+                + (" table" if self.table else ""))
 
 
 def make_case(seed: int) -> Case:
@@ -170,6 +175,9 @@ def make_case(seed: int) -> Case:
     # one case in eleven of the other 4-D ones has gpt-oss's sink column (no draw either)
     if not merged and not case.mutant and case.product != "sdpa" and case.route == "ours" and seed % 11 == 5:
         case.sinks = "cat_max" if seed % 2 else "cat"
+    # one case in seven of the others with a learned bias gathers it from a table (no draw)
+    if not case.mutant and seed % 7 == 4 and any(m.kind == "bias" for m in case.masks):
+        case.table = True
     return case
 
 
@@ -185,10 +193,24 @@ class FuzzModule(nn.Module):
         for m in case.masks:
             if m.kind == "bias":
                 shape = (case.lq, case.lk) if case.layout == "merged" else (1, case.h, case.lq, case.lk)
+                if case.table:  # LeViT's table[:, idx] (4-D) / Swin's table[idx.view(-1)] (merged), n entries
+                    n = 3 + case.seed % 5
+                    shape = (n,) if case.layout == "merged" else (case.h, n)
                 self.biases.append(nn.Parameter((torch.randn(*shape, generator=g) * 0.5).to(case.dtype)))
+        if case.table:  # (negative indices too: they count from the end, as indexing does)
+            self.register_buffer("index", torch.randint(-(3 + case.seed % 5), 3 + case.seed % 5,
+                                                        (case.lq, case.lk), generator=g))
         self.safe = False  # aten._safe_softmax instead of softmax: the reference for NaN gradients
         if case.sinks != "none":
             self.sinks = nn.Parameter((torch.randn(case.h, generator=g) * 2).to(case.dtype))
+
+    def _bias_values(self):
+        """The learned biases, as the masks add them: gathered from their tables (case.table)."""
+        if not self.case.table:
+            return iter(self.biases)
+        if self.case.layout == "merged":
+            return iter(t[self.index.view(-1)].view(self.index.shape) for t in self.biases)
+        return iter(t[:, self.index].unsqueeze(0) for t in self.biases)
 
     def _softmax(self, x, dim):
         c = self.case
@@ -256,7 +278,7 @@ class FuzzModule(nn.Module):
         if not c.masks:
             return None, False
         lq, lk = q.shape[-2], k.shape[-2]
-        biases = iter(self.biases)
+        biases = self._bias_values()
         if all(m.kind != "bias" and m.value == -math.inf and m.spelling != "add" for m in c.masks):
             keep = torch.ones(lq, lk, dtype=torch.bool)
             for m in c.masks:
@@ -317,7 +339,7 @@ class FuzzModule(nn.Module):
         elif c.scale == "div":
             x = x / math.sqrt(c.d)
         scores = x
-        biases = iter(self.biases)
+        biases = self._bias_values()
         for m in c.masks:
             x = self._mask(x, m, pad_keep, rand_keep, next(biases) if m.kind == "bias" else None)
         if c.sinks != "none":  # softmax([scores, sink])[..., :-1], as HF gpt-oss

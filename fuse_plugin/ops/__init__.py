@@ -6,12 +6,14 @@
     torch.ops.fuse_plugin.rotary_qk / rotary_qk_backward
     torch.ops.fuse_plugin.rope_attention / rope_attention_backward   (ops/rope_attention.py)
     torch.ops.fuse_plugin.gluon_attention_forward / _backward      (ops/gluon.py; internal)
+    torch.ops.fuse_plugin.table_gather / _backward          (ops/table_gather.py: a learned bias table)
 
-Each has a DTensor sharding rule (ops/sharding.py), so the ops also run on DTensors.
+Each has a DTensor sharding rule (ops/sharding.py), so the ops also run on DTensors; table_gather has
+none (the rewrite leaves a DTensor table's gather as it is).
 
 Compiled by Inductor, the ops decompose into their kernels' launches (ops/inductor.py).
 """
-from . import attention, attention_sinks, gluon, rope_attention, rotary  # noqa: F401  (registration)
+from . import attention, attention_sinks, gluon, rope_attention, rotary, table_gather  # noqa: F401  (registration)
 from ._dispatch import cpu_kernels
 from .sharding import register as _register_sharding
 
