@@ -186,3 +186,29 @@ def test_gpu_compiled_gradient_against_float64(model):
     t, t_ref = (next(p for n, p in mm.named_parameters() if "bias" in n and "qkv" not in n) for mm in (m, ref))
     assert (out.double() - want).abs().max() <= 2e-2 * want.abs().max()
     assert (t.grad.double() - t_ref.grad).abs().max() <= 2e-2 * t_ref.grad.abs().max()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed (DTensor)")
+def test_dtensors_replicated_only():
+    """The op's sharding rule (ops/sharding.py): Replicate() runs, a shard is an error naming it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fuse_plugin.ops.sharding import ShardingError
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        table, index = torch.randn(4, 6), torch.randint(0, 6, (3, 3))
+        t = distribute_tensor(table, mesh, [Replicate()])
+        i = distribute_tensor(index, mesh, [Replicate()])
+        assert torch.equal(OP(t, i, 1).full_tensor(), table[:, index])
+        # (DTensor's dispatch re-raises the rule's ShardingError as a RuntimeError with its message)
+        with pytest.raises((ShardingError, RuntimeError), match="table_gather: argument 0 has placement Shard"):
+            OP(distribute_tensor(table, mesh, [Shard(0)]), i, 1)
+    finally:
+        if own:
+            dist.destroy_process_group()

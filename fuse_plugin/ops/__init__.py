@@ -8,8 +8,8 @@
     torch.ops.fuse_plugin.gluon_attention_forward / _backward      (ops/gluon.py; internal)
     torch.ops.fuse_plugin.table_gather / _backward          (ops/table_gather.py: a learned bias table)
 
-Each has a DTensor sharding rule (ops/sharding.py), so the ops also run on DTensors; table_gather has
-none (the rewrite leaves a DTensor table's gather as it is).
+Each has a DTensor sharding rule (ops/sharding.py), so the ops also run on DTensors; table_gather's
+takes Replicate() inputs only (the rewrite leaves a DTensor table's gather as it is).
 
 Compiled by Inductor, the ops decompose into their kernels' launches (ops/inductor.py).
 """

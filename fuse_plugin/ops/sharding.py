@@ -352,6 +352,27 @@ def _rules() -> dict[str, _Rule]:
     return {name: _Rule(name, _arg_names(_op(name)), *spec) for name, spec in specs.items()}
 
 
+def _replicated_only(name: str, outputs: int):
+    """A rule for an op that runs on Replicate() inputs only (table_gather: the rewrite never puts
+    it on DTensors; a user's call on shards gets this error, not a redistribution)."""
+
+    def rule(*args, **kwargs):
+        _, Replicate, _, _ = _spec_types()
+        specs = [(i, a) for i, a in enumerate(args) if _is_spec(a)]
+        for i, spec in specs:
+            for m, p in enumerate(spec.placements):
+                if not _is_replicate(p):
+                    raise ShardingError(f"fuse_plugin::{name}: argument {i} has placement {p!r} on mesh dim {m}; "
+                                        f"the op runs on Replicate() inputs only. Redistribute the inputs "
+                                        f"explicitly (DTensor.redistribute)")
+        return [([Replicate()] * outputs, [Replicate() if _is_spec(a) else None for a in args])]
+
+    return rule
+
+
+_REPLICATED_ONLY = {"table_gather": 1, "table_gather_backward": 1}
+
+
 def _op(name: str):
     return getattr(torch.ops.fuse_plugin, name).default
 
@@ -387,6 +408,12 @@ def register() -> None:
     for name, rule in _rules().items():
         op = _op(name)
         register_sharding(op)(rule)
+        if hasattr(propagator, "op_to_schema_info"):
+            propagator.op_to_schema_info[op] = _schema_info(op)
+        _REGISTERED.append(f"fuse_plugin::{name}")
+    for name, outputs in _REPLICATED_ONLY.items():
+        op = _op(name)
+        register_sharding(op)(_replicated_only(name, outputs))
         if hasattr(propagator, "op_to_schema_info"):
             propagator.op_to_schema_info[op] = _schema_info(op)
         _REGISTERED.append(f"fuse_plugin::{name}")
