@@ -8,8 +8,8 @@
   softmax(dtype=float32); eval dropout; GQA by repeat_interleave or repeat_kv expand+reshape;
   weights·v by matmul / einsum / bmm;
 * masks: up to three, in any order, each drawn from causal (masked_fill of ~tril or of
-  triu(ones, 1), where(tril, x, v), + full(v).triu(1)), key padding (left padding, so with a
-  causal mask whole rows go dead), a random (Lq, Lk) mask with fully masked rows, and a learned
+  triu(ones, 1), where(j <= i, x, v) (or i >= j, one seed in three), + full(v).triu(1)), key
+  padding (left padding, so with a causal mask whole rows go dead), a random (Lq, Lk) mask with fully masked rows, and a learned
   additive bias (a parameter: its gradient is compared too); bool ones as masked_fill / where /
   an additive 0-or-v tensor; values -inf, finfo.min, -1e9, -1e4 (additive ones: -inf and
   finfo.min only, see below);
@@ -240,6 +240,8 @@ class FuzzModule(nn.Module):
                 return x.masked_fill(torch.ones(lq, lk, device=x.device).triu(1).bool(), value)
             if m.spelling == "where" or m.spelling.startswith(("window", "chunk")):
                 keep = torch.arange(lk, device=x.device)[None, :] <= torch.arange(lq, device=x.device)[:, None]
+                if c.seed % 3 == 0:  # the query on the left (no draw): i >= j
+                    keep = torch.arange(lq, device=x.device)[:, None] >= torch.arange(lk, device=x.device)[None, :]
                 if m.spelling.startswith("window"):
                     w = int(m.spelling[len("window"):])
                     keep = keep & (torch.arange(lk, device=x.device)[None, :] > torch.arange(lq, device=x.device)[:, None] - w)

@@ -136,3 +136,38 @@ def test_document_near_misses(lift):
     q, k, v = (torch.randn(2, 3, 12, 16) for _ in range(3))
     text = str(fuse_plugin.explain(Packed(lift), q, k, v, _docs()))
     assert "documents (ids" not in text
+
+
+@pytest.mark.parametrize("keep", [
+    lambda i, j: i >= j,  # the query on the left
+    lambda i, j: i - j >= 0,
+    lambda i, j: ~(i < j),
+])
+def test_causal_with_the_query_on_the_left_is_proved(keep):
+    """`i >= j` holds exactly where `j <= i` does (found when chunked attention was spelled so)."""
+    text = explained(keep)
+    assert "is_causal (arange comparison)" in text
+
+
+def test_causal_from_one_arange_is_proved_and_computes_eager():
+    class OneArange(nn.Module):
+        def forward(self, q, k, v):
+            i = torch.arange(q.shape[-2])
+            s = (q @ k.transpose(-2, -1)) * 0.25
+            return s.masked_fill(~(i[:, None] >= i[None, :]), float("-inf")).softmax(-1) @ v
+
+    q, k, v = (torch.randn(2, 3, 7, 16, requires_grad=True) for _ in range(3))
+    assert "is_causal (arange comparison)" in str(fuse_plugin.explain(OneArange(), q, k, v))
+    torch._dynamo.reset()
+    got = torch.compile(OneArange(), backend="fuse_plugin")(q, k, v)
+    assert torch.allclose(got, OneArange()(q, k, v), atol=1e-5)
+
+
+@pytest.mark.parametrize("keep", [
+    lambda i, j: i > j,  # the diagonal hidden: not causal
+    lambda i, j: i + 1 >= j,  # one key past the diagonal
+    lambda i, j: i <= j,  # the other triangle
+])
+def test_near_causal_with_the_query_on_the_left_stays_a_mask(keep):
+    text = explained(keep)
+    assert "is_causal" not in text

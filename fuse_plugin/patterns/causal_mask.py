@@ -64,6 +64,13 @@ class Select:
     b: Any
 
 
+def flipped(value: Select) -> Select:
+    """The same tensor with the predicate negated: over integers, aff <= 0 fails exactly where
+    -aff + 1 <= 0 holds, so Select(aff, a, b) == Select(1 - aff, b, a)."""
+    aff = value.aff
+    return Select(affine({d: -c for d, c in aff.coef}, 1 - aff.const), value.b, value.a)
+
+
 def _constant(v) -> Select:
     return Select(None, v, v)
 
@@ -504,6 +511,8 @@ def is_causal_mask(node: fx.Node, kind: str, lq, lk) -> bool:
     if s is None or len(s) < 2 or not (known_equal(s[-2], lq) and known_equal(s[-1], lk)):
         return False
     value = abstract_value(node, {})
+    if isinstance(value, Select) and value.aff is not None and value.aff != _KEY_MINUS_QUERY:
+        value = flipped(value)  # (i >= j, i[:, None] >= i[None, :]: i - j + 1 <= 0 selects the hidden keys)
     if not isinstance(value, Select) or value.aff != _KEY_MINUS_QUERY:
         return False
     visible, hidden = value.a, value.b  # values at j <= i and at j > i
