@@ -13,7 +13,7 @@ Why an op: the gradient of such a gather adds each output's gradient into its ta
 relative-position table is read many times per entry (LeViT-128S stage 1: 38416 reads of 196
 entries per head, up to 676 per entry). Autograd's index_put with accumulate, as Inductor compiles
 it for a bf16 table, adds in bf16 with contended atomics: 742 us of GPU for one LeViT stage-1
-bias and 1.8 ms at 12 heads (H100, bf16, 2026-11-26, `.devrun/gather_bench.py`, benchmarks/
+bias and 1.8 ms at 12 heads (H100, bf16, 2026-11-26, `benchmarks/table_gather.py`, benchmarks/
 RESULTS.md "Stop 29"), with 3e-2 relative error against float64. ``table_gather_backward`` adds
 in float32 (``index_add``; float64 for a float64 table) and rounds once: 9.8 us there, 2e-3 error (bf16's rounding of the
 result). The rewrite (patterns/bias_table.py) puts this op in place of the gather that builds an
