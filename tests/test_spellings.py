@@ -999,7 +999,7 @@ not fused: the attention weights are used (need_weights=True and read)""")
 13 getitem(#11, 1)
 14 getitem(#11, 2)
 15 view(#4, (-1))
-16 getitem(#3, #15)
+16 fuse_plugin.table_gather(#3, #15, 0)
 17 view(#16, (16, 16, -1))
 18 permute(#17, (2, 0, 1))
 19 contiguous(#18)
@@ -1015,7 +1015,7 @@ not fused: the attention weights are used (need_weights=True and read)""")
 29 linear(#28, #6, #7)
 30 output (#29)
 --- report ---
-fused: scale=0.25, bias: float mask, window-periodic (4 windows)""")
+fused: scale=0.25, bias: float mask, window-periodic (4 windows); bias table gathered by fuse_plugin.table_gather (its gradient added in float32)""")
 
     def test_negative_swin_mask_on_flattened_scores(self):
         self.assertExpectedInline(rewrite_listing(lambda *a: swin_flat_mask(SWIN, *a), torch.randn(B * 4, 16, 64), shifted_window_mask()), """\
