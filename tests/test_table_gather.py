@@ -101,6 +101,17 @@ class SwinAttention(nn.Module):
         return (attn.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1)
 
 
+class BeitSdpaAttention(SwinAttention):
+    """BEiT on timm's default fused path: the gathered table passed to SDPA as its attn_mask."""
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        mask = bias.permute(2, 0, 1).contiguous().unsqueeze(0)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, n, -1)
+
+
 def _ops_in(model, *args):
     """The custom ops in the graph our backend rewrote, and the compiled model's output."""
     seen = []
@@ -114,8 +125,11 @@ def _ops_in(model, *args):
     return seen, torch.compile(model, backend=backend)(*args)
 
 
-@pytest.mark.parametrize("model", [LevitAttention, SwinAttention])
-def test_a_trained_table_is_gathered_by_the_op(model):
+@pytest.mark.parametrize("model", [LevitAttention, SwinAttention, BeitSdpaAttention])
+def test_a_trained_table_is_gathered_by_the_op(model, monkeypatch):
+    """Whatever the site's decision: our op (forced here for the SDPA call too) or left as it is
+    (the next test)."""
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "ours")
     torch.manual_seed(0)
     m, x = model(), torch.randn(2, 9, 32)
     seen, out = _ops_in(m, x)
@@ -129,6 +143,23 @@ def test_a_trained_table_is_gathered_by_the_op(model):
     assert torch.allclose(got, table.grad, rtol=1e-5, atol=1e-6)
     report = fuse_plugin.explain(m, x)
     assert bias_table.DETAIL in str(report)
+
+
+def test_an_sdpa_call_left_as_it_is_gets_the_op_too(monkeypatch):
+    """An SDPA call the choice leaves as SDPA (here: no table on the CPU) still reads its trained
+    table through the op; with FUSE_PLUGIN_SDPA_SITES=off nothing of the call is touched."""
+    m, x = BeitSdpaAttention(), torch.randn(2, 9, 32)
+    seen, out = _ops_in(m, x)
+    assert "fuse_plugin.table_gather.default" in seen and "fuse_plugin.attention.default" not in seen
+    report = str(fuse_plugin.explain(m, x))
+    assert "left as SDPA" in report and bias_table.DETAIL in report
+    out.square().sum().backward()
+    got, m.relative_position_bias_table.grad = m.relative_position_bias_table.grad, None
+    m(x).square().sum().backward()
+    assert torch.allclose(got, m.relative_position_bias_table.grad, rtol=1e-5, atol=1e-6)
+    monkeypatch.setenv("FUSE_PLUGIN_SDPA_SITES", "off")
+    seen, _ = _ops_in(m, x)
+    assert "fuse_plugin.table_gather.default" not in seen
 
 
 def test_inference_and_frozen_tables_keep_the_gather():

@@ -72,7 +72,6 @@ from torch._dynamo.utils import counters
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
 from . import bias_table, choice, sinks as sink_form
-from .. import settings
 from .attention_bias import BiasTerm, MaskFill, build_bias, causal_or_bias, read_masks, replace_mask
 from .batch_views import batch_view, carry_mask
 from .bias_source import from_parameters
@@ -1427,15 +1426,11 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
                 report.missed(KIND, sm, site)
                 continue
             decision = choice.decide(site)
-            gathers = bias_table.find(site, choice.needs_grad(site)) \
-                if settings.site_choice() != "inductor" else []
+            gathers = bias_table.gathers_of(site)
             if not decision.ours:
-                tables = bias_table.replace(gm, gathers, ctx["fake_mode"])
-                report.left_as_is(KIND, sm, decision.reason + (f"; {bias_table.DETAIL}" if tables else ""))
+                report.left_as_is(KIND, sm, decision.reason + bias_table.swap(gm, gathers, ctx))
                 continue
-            detail = replace(gm, site, ctx, as_sdpa=decision.as_sdpa)
-            if bias_table.replace(gm, gathers, ctx["fake_mode"]):
-                detail += f"; {bias_table.DETAIL}"
+            detail = replace(gm, site, ctx, as_sdpa=decision.as_sdpa) + bias_table.swap(gm, gathers, ctx)
             report.replaced(KIND, sm, detail + (f"; {decision.reason}" if decision.reason else ""))
             if decision.as_sdpa:  # counted among the replaced too ("attention")
                 counters["fuse_plugin"]["attention_as_sdpa"] += 1

@@ -14,7 +14,9 @@ casts and copies of one tensor, a ``getitem`` whose
     sharding rule), and
   * index is ``(:, ..., :, idx)`` (full slices, then one integer tensor of static shape: int64 or
     int32, not bool), or ``idx`` alone;
-under no_grad (or a frozen table) nothing changes: the forward is the same either way.
+under no_grad (or a frozen table) nothing changes: the forward is the same either way. SDPA call
+sites (patterns/sdpa.py) get the same for their ``attn_mask`` (timm's BEiT on its default fused
+path passes its gathered table there).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import Optional
 import torch
 from torch import fx
 
+from .. import settings
 from .attention_bias import BiasTerm
 from .bias_source import _parameter
 from .canon import example_value
@@ -123,3 +126,18 @@ def replace(gm: fx.GraphModule, gathers: list[Gather], fake_mode=None) -> int:
 
 
 DETAIL = "bias table gathered by fuse_plugin.table_gather (its gradient added in float32)"
+
+
+def gathers_of(site) -> list[Gather]:
+    """`find` for a matched site (hand-written or an SDPA call), before anything is replaced;
+    none with FUSE_PLUGIN_SITE_CHOICE=inductor (every site left as it is)."""
+    from . import choice  # (choice's module imports nothing of this one; kept late like attention's)
+
+    if settings.site_choice() == "inductor":
+        return []
+    return find(site, choice.needs_grad(site))
+
+
+def swap(gm: fx.GraphModule, gathers: list[Gather], ctx: dict) -> str:
+    """`replace`, after the site's decision was carried out; the report's words ("" for none)."""
+    return f"; {DETAIL}" if replace(gm, gathers, ctx.get("fake_mode")) else ""

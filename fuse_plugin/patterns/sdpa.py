@@ -33,7 +33,7 @@ from torch import fx
 import logging
 
 from .. import settings
-from . import attention, choice
+from . import attention, bias_table, choice
 from .attention import HEAD_DIM_RANGE, AttentionSite, _autocast_dtype, _Operand, _unrepeat_kv
 from .attention_bias import causal_or_bias, read_masks
 from .canon import call_of, dtype, example_value, fmt_shape, known_equal, same_shape, shape, size_in_range
@@ -170,10 +170,11 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
                 report.missed(KIND, node, site)
                 continue
             decision = choice.decide_sdpa(site)
+            gathers = bias_table.gathers_of(site)  # (a gathered table as attn_mask: BEiT's fused path)
             if not decision.ours:
-                report.left_as_is(KIND, node, decision.reason)
+                report.left_as_is(KIND, node, decision.reason + bias_table.swap(gm, gathers, ctx))
                 continue
-            detail = attention.replace(gm, site, ctx)
+            detail = attention.replace(gm, site, ctx) + bias_table.swap(gm, gathers, ctx)
             report.replaced(KIND, node, detail + (f"; {decision.reason}" if decision.reason else ""))
         except Exception as e:  # noqa: BLE001  (never break compile: leave this call as it was)
             log.warning("fuse_plugin: SDPA call %s left as it is after an internal error", node.name, exc_info=True)
