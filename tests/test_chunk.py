@@ -15,7 +15,6 @@ from torch import nn
 from test_window import Banded, _rewritten
 
 import fuse_plugin
-from fuse_plugin.kernels import registry
 from fuse_plugin.kernels.attention import AttentionConfig, attention_backward, attention_forward
 from fuse_plugin.kernels.call import AttentionCall, window_area
 
@@ -91,18 +90,6 @@ def test_kernels_with_a_bias_and_its_gradient():
     check_close("out", out, want, 1e-5)
     for name, got, ref in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), grads):
         check_close(name, got, ref, 1e-5)
-
-
-def test_other_families_say_why_not():
-    q = torch.randn(1, 2, 64, 64, device="meta")
-    call = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.125, chunk=16)
-    reasons = registry.reasons(call)
-    assert reasons["general"] is None
-    for name in ("cudnn", "decode", "small", "gluon", "tma"):
-        assert reasons[name] == "it takes no chunks (the general kernels do)", name
-    with registry.forced("cudnn"), pytest.raises(registry.FamilyError, match="no chunks"):
-        registry.choose(call)
-    assert "chunks of 16" in call.describe()
 
 
 def test_live_area_and_flops():

@@ -86,16 +86,20 @@ def test_kernels_match_the_band_reference(family, lq, lk, window, hq, hkv, cfg):
         check_close("dbias", dbias.sum_to_size(bias.shape), grads[3], 1e-5)
 
 
-def test_other_families_say_why_not():
+@pytest.mark.parametrize("band, why, described", [
+    ("window", "no sliding window", "window 16"),
+    ("chunk", "no chunks", "chunks of 16"),  # (the op's `chunk`: tests/test_chunk.py)
+])
+def test_other_families_say_why_not(band, why, described):
     q = torch.randn(1, 2, 64, 64, device="meta")
-    call = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.125, window=16)
+    call = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.125, **{band: 16})
     reasons = registry.reasons(call)
     assert reasons["general"] is None
     for name in ("cudnn", "decode", "small", "gluon", "tma"):
-        assert reasons[name] == "it takes no sliding window (the general kernels do)", name
-    with registry.forced("cudnn"), pytest.raises(registry.FamilyError, match="no sliding window"):
+        assert reasons[name] == f"it takes {why} (the general kernels do)", name
+    with registry.forced("cudnn"), pytest.raises(registry.FamilyError, match=why):
         registry.choose(call)
-    assert "window 16" in call.describe()
+    assert described in call.describe()
 
 
 def test_window_area_and_flops():
