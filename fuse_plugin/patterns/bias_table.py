@@ -10,8 +10,8 @@ an SDPA call or Inductor): the values are the same, only the gradient's kernel c
 
 What counts (`find`): from each additive bias term of the site, back through views, permutes,
 casts and copies of one tensor, a ``getitem`` whose
-  * source is a parameter that requires grad (a float table; not a DTensor: the op has no
-    sharding rule), and
+  * source is a parameter that requires grad (a float table; not a DTensor: the op's sharding
+    rule takes Replicate() only, and a sharded table's gather stays as it is), and
   * index is ``(:, ..., :, idx)`` (full slices, then one integer tensor of static shape: int64 or
     int32, not bool), or ``idx`` alone;
 under no_grad (or a frozen table) nothing changes: the forward is the same either way. SDPA call
@@ -29,7 +29,7 @@ from torch import fx
 
 from .. import settings
 from .attention_bias import BiasTerm
-from .bias_source import _parameter
+from .bias_source import _name, _parameter
 from .canon import example_value
 from .graph_edit import NodeBuilder
 
@@ -45,11 +45,6 @@ class Gather:
     table: fx.Node
     index: fx.Node
     dim: int
-
-
-def _name(node: fx.Node) -> str:
-    t = node.target
-    return str(t) if node.op == "call_method" else getattr(t, "__name__", str(t)).split(".")[-1]
 
 
 def _static(v) -> bool:
