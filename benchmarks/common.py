@@ -66,4 +66,30 @@ def profile_steps(step, n: int, title: str, top: int = 25) -> str:
              + (", ".join(f"{k} {c / n:.1f}x {t / n:.0f}us" for k, (t, c) in syncs.items()) or "none")]
     for k, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"[profile]   {t / n:8.1f} us x{c / n:<5.1f} {k}")
+    lines += _host_lines(prof, n, top)
     return "\n".join(lines)
+
+
+def _host_lines(prof, n: int, top: int) -> list[str]:
+    """Where the host's time goes: launches per step (runtime and driver calls that start a
+    kernel), then the top CPU events by self time and the fuse_plugin ops by total time (their
+    Python included), per step."""
+    import torch
+
+    launches, self_t, total = 0, {}, {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if "LaunchKernel" in e.name:
+            launches += 1
+        t, c = self_t.get(e.name[:70], (0.0, 0))
+        self_t[e.name[:70]] = (t + e.self_cpu_time_total, c + 1)
+        if e.name.startswith("fuse_plugin::"):
+            t, c = total.get(e.name, (0.0, 0))
+            total[e.name] = (t + e.cpu_time_total, c + 1)
+    lines = [f"[host] {launches / n:.0f} kernel launches/step; top CPU self time per step:"]
+    for k, (t, c) in sorted(self_t.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"[host]   {t / n:8.1f} us x{c / n:<6.1f} {k}")
+    for k, (t, c) in sorted(total.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"[host] total {t / n:8.1f} us x{c / n:<6.1f} {k} ({t / max(c, 1):.1f} us/call)")
+    return lines
