@@ -18,7 +18,9 @@ kernel table meet, at the shape they meet them), on random inputs of that shape:
   and forward + backward, timed the same way;
 * "sdpa": ``F.scaled_dot_product_attention`` on the same problem (``enable_gqa`` for GQA, the
   bias as its ``attn_mask``; the backend torch picks), forward and forward + backward: what an
-  SDPA call site runs when it is left as it is (patterns/sdpa.py weighs our op against it).
+  SDPA call site runs when it is left as it is (patterns/sdpa.py weighs our op against it);
+  "sdpa_repeat", for GQA classes: the same call with k/v repeated to the query heads first, as
+  HF's sdpa path passes them with a mask (an SDPA call site that repeats k/v is weighed against it).
 
 Writes kernels/attention_choices_sm<cc>.json (or ``--out``), replacing this GPU name's entries and
 keeping other GPUs'; see kernels/choice_table.py for the format and how the entries are read.
@@ -230,6 +232,9 @@ def measure_class(name: str, case: Case, log, timed: bool = True, device: str = 
     _check_agreement(name, results, entry, bool(case.dropout), log)
     entry["inductor"] = inductor_times(case, scale, q, k, v, bias, mask, learned, timed)
     entry["sdpa"] = sdpa_times(case, scale, q, k, v, op_bias(case, bias, mask), learned, timed)
+    if q.shape[1] != k.shape[1]:
+        entry["sdpa_repeat"] = sdpa_times(case, scale, q, k, v, op_bias(case, bias, mask), learned, timed,
+                                          repeat_kv=True)
     return entry
 
 
@@ -277,11 +282,14 @@ def inductor_times(case, scale, q, k, v, bias, mask, learned, timed: bool = True
     return out
 
 
-def sdpa_times(case, scale, q, k, v, bias, learned, timed: bool = True) -> dict:
+def sdpa_times(case, scale, q, k, v, bias, learned, timed: bool = True, repeat_kv: bool = False) -> dict:
     """F.scaled_dot_product_attention on the class's problem: forward (no_grad) and forward +
     backward, in microseconds; {} where SDPA takes no such problem. A window-periodic bias is
     materialised (B, H, Lq, Lk) inside the timed call, as timm's fused path and a hand-written
-    site rewritten into SDPA (patterns/attention._sdpa_call) build it."""
+    site rewritten into SDPA (patterns/attention._sdpa_call) build it. GQA: ``enable_gqa``, or with
+    ``repeat_kv`` k/v repeated to the query heads inside the timed call (HF's ``repeat_kv``, what
+    its sdpa path passes with a mask): the backends differ (in float32 the efficient kernel takes
+    the repeated call and not enable_gqa, which falls to the math path: 2x slower, H100)."""
     import torch
     import torch.nn.functional as F
 
@@ -290,13 +298,16 @@ def sdpa_times(case, scale, q, k, v, bias, learned, timed: bool = True) -> dict:
     periodic = bias is not None and case.bias == "periodic"
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     b = None if bias is None else bias.detach().requires_grad_(learned)
-    kw = dict(dropout_p=case.dropout, is_causal=case.causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    group = q.shape[1] // k.shape[1]
+    kw = dict(dropout_p=case.dropout, is_causal=case.causal, scale=scale, enable_gqa=group > 1 and not repeat_kv)
     bench = device_us if timed else (lambda fn: (fn(), 0.0)[1])
     dout = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1], device=q.device, dtype=q.dtype)
     grads_of = leaves + ([b] if learned else [])
 
     def call(q, k, v, b):
         mask = whole_bias(b, q, k) if periodic else b
+        if repeat_kv and group > 1:
+            k, v = (x[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2) for x in (k, v))
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
 
     try:

@@ -266,6 +266,29 @@ def test_dense_causal_mask_call_against_sdpa_is_causal_time(monkeypatch):
     assert not report.sites and report.left[0].reason.startswith("left as SDPA: measured"), report
 
 
+def test_repeated_kv_call_weighed_against_sdpa_timed_repeated(monkeypatch):
+    """A call whose k/v were repeated for GQA before it (HF's sdpa path with a mask) is weighed
+    against SDPA timed as such a call (the class's "sdpa_repeat"); one passing enable_gqa against
+    the class's SDPA time (H100, float32 Llama 8x512: the repeated call ran the efficient kernel at
+    342 us, enable_gqa the math path at 683, our op 524)."""
+    from fuse_plugin.patterns import choice
+
+    times = {"fwd": {"general": 507.0}, "bwd": {"general": 1681.0}, "sdpa": {"fwd": 683.0, "train": 1396.0},
+             "sdpa_repeat": {"fwd": 380.0, "train": 1100.0}}
+    kept = choice.decide_sdpa_from(times, "fwd", "k", kv_repeated=True)
+    assert not kept.ours and "k/v repeated" in kept.reason, kept
+    assert choice.decide_sdpa_from(times, "fwd", "k").ours  # enable_gqa: 507 < 683
+    no_repeat_time = {k: v for k, v in times.items() if k != "sdpa_repeat"}
+    assert choice.decide_sdpa_from(no_repeat_time, "fwd", "k", kv_repeated=True).ours  # only SDPA's own time
+
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "auto")
+    monkeypatch.setattr(choice.choice_table, "lookup", lambda device, key: times)
+    _, _, report = capture(gqa_repeat_kv_padding, *qkv(Hkv=2), padding())
+    assert not report.sites and "k/v repeated" in report.left[0].reason, report
+    _, _, report = capture(gqa_enable_causal, *qkv(Hkv=2))
+    assert len(report.sites) == 1, report
+
+
 # --------------------------------------------------------------------------- parity with SDPA
 
 

@@ -33,6 +33,8 @@ def test_a_class_is_measured_like_on_the_gpu(tiny):
     assert all(t > 0 for t in list(entry["fwd"].values()) + list(entry["bwd"].values()))
     assert set(entry["inductor"]) == {"fwd", "train"} and min(entry["inductor"].values()) > 0
     assert set(entry["sdpa"]) == {"fwd", "train"} and min(entry["sdpa"].values()) > 0
+    # GQA (2 query heads over 1): SDPA timed also as a call with k/v repeated (HF's sdpa path)
+    assert set(entry["sdpa_repeat"]) == {"fwd", "train"} and min(entry["sdpa_repeat"].values()) > 0
     assert len(entry["small"]["fwd"]) == 3 and entry["small"]["fwd"][0] in (1, 4)
     assert not [r for r in logged if "error" in r or "disagrees" in r], logged
     line = tune_choices.summary({"k": dict(entry, name="tiny")}).splitlines()[1]

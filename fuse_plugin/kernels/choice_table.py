@@ -20,7 +20,9 @@ first other set of its capability that has it), written by ``python -m fuse_plug
 the gradient of a float bias where the class has one: "periodic", "float"); "inductor": the
 site's decomposition compiled by stock Inductor, forward alone (inference) and forward +
 backward (training); "sdpa": `F.scaled_dot_product_attention` on the class's problem, the backend
-torch picks (what an SDPA call site runs when it is left as it is), likewise. Device times (CUDA
+torch picks (what an SDPA call site runs when it is left as it is; ``enable_gqa`` for GQA), likewise;
+"sdpa_repeat" (GQA classes, optional): the same with k/v repeated to the query heads first, as HF's
+sdpa path calls it with a mask. Device times (CUDA
 graphs), median. "small": the small family's config
 measured fastest (attention_small.SmallConfig), which it then runs the class with. The class key
 (``class_key``)
@@ -50,6 +52,7 @@ MAX_CLASS_LEN = 16384  # Lq / Lk buckets (powers of two) above this are one ("lo
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 INDUCTOR = "inductor"
 SDPA = "sdpa"
+SDPA_REPEAT = "sdpa_repeat"  # GQA classes: the SDPA call with k/v repeated first (tune_choices.sdpa_times)
 
 
 def _len_bucket(n: int) -> str:
@@ -129,7 +132,7 @@ def lookup(device: torch.device, key: Optional[str]) -> Optional[dict]:
     if not isinstance(entry, dict):
         return None
     out = {"small": entry.get("small") if isinstance(entry.get("small"), dict) else {}}
-    for part in ("fwd", "bwd", INDUCTOR, SDPA):
+    for part in ("fwd", "bwd", INDUCTOR, SDPA, SDPA_REPEAT):
         times = entry.get(part)
         out[part] = {k: float(v) for k, v in times.items() if isinstance(v, (int, float)) and v > 0} \
             if isinstance(times, dict) else {}

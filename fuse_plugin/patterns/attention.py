@@ -139,6 +139,7 @@ class AttentionSite:
     sinks: Optional[fx.Node] = None  # the H sink logits of a softmax with a sink column (patterns/sinks.py)
     window: int = 0  # a causal sliding window proven from the masks (the op's window; mask_structure.py)
     chunk: int = 0  # causal chunks proven from the masks (the op's chunk; Llama 4's chunked attention)
+    kv_repeated: bool = False  # an SDPA call's k/v were repeated for GQA before it (HF's repeat_kv)
 
     @property
     def dtype(self) -> torch.dtype:

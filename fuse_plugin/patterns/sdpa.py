@@ -68,7 +68,7 @@ def match_sdpa(node: fx.Node) -> Union[AttentionSite, str]:
     if isinstance(sizes, str):
         return sizes
     B, Hq, Lq, D, Hkv, Lk, Dv = sizes
-    groups = 1
+    groups, repeated = 1, False
     if enable_gqa:
         if not isinstance(Hq, int) or not isinstance(Hkv, int) or Hkv == 0 or Hq % Hkv:
             return f"enable_gqa with {Hq} query heads over {Hkv} kv heads"
@@ -78,7 +78,7 @@ def match_sdpa(node: fx.Node) -> Union[AttentionSite, str]:
     else:
         uk, uv = _unrepeat_kv(k), _unrepeat_kv(v)
         if uk is not None and uv is not None and uk[1] == uv[1] and known_equal(shape(uk[0])[1], shape(uv[0])[1]):
-            k, v, groups = _Operand(uk[0]), _Operand(uv[0]), uk[1]
+            k, v, groups, repeated = _Operand(uk[0]), _Operand(uv[0]), uk[1], True
     masks = _masks(c["attn_mask"], is_causal, (B, Hq, Lq, Lk), Lq, Lk)
     if isinstance(masks, str):
         return masks
@@ -92,7 +92,7 @@ def match_sdpa(node: fx.Node) -> Union[AttentionSite, str]:
         scale=scale if scale is not None else 1.0 / math.sqrt(D), scale_nodes=[],
         bias_parts=bias_parts, is_causal=is_causal, causal_note=causal_note, kv_groups=groups,
         softcap=0.0, out_ops=(), matched=[node], notes=["an SDPA call"] + notes, dropout_p=dropout_p,
-        safe=bool(bias_parts), cast=cast, window=window, chunk=chunk)
+        safe=bool(bias_parts), cast=cast, window=window, chunk=chunk, kv_repeated=repeated)
 
 
 def _flags(c) -> Union[tuple, str]:
