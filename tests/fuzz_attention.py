@@ -31,6 +31,10 @@
   causal window of 1 to 3 keys (`where(j <= i and j > i - W, x, v)`), or gains one with -inf;
 * chunks: one case in seventeen of the other non-mutants does the same with causal chunks of 2
   to 4 keys (`where(j <= i and j // C == i // C, x, v)`, Llama 4; the op's `chunk`);
+* documents: one case in nineteen of the other 4-D non-mutants (made self-attention, Lk = Lq) adds
+  a packed-documents mask from an integer id buffer (B, L), sorted or scattered ids:
+  `masked_fill(~(doc[:, :, None] == doc[:, None, :])[:, None], v)`, the causal mask ANDed in one
+  seed in two (the op's `documents`, patterns/mask_structure.documents_arg);
 * the route: one case in seven of the others (seed % 7 == 2) is rewritten with
   FUSE_PLUGIN_SITE_CHOICE=sdpa, a hand-written site becoming an SDPA call where it can be one
   (patterns/attention._sdpa_call: masks folded into one attn_mask, eager's NaN rows restored, but
@@ -172,6 +176,10 @@ def make_case(seed: int) -> Case:
             causal[0].spelling = band
         else:
             case.masks.append(MaskStep("causal", band, -math.inf))
+    # one case in nineteen of the other 4-D ones: packed documents (no draw), self-attention
+    if band is None and not merged and not case.mutant and seed % 19 == 14:
+        case.lk = case.lq
+        case.masks.append(MaskStep("doc", "docs_causal" if seed % 2 else "docs", FMIN32 if seed % 3 == 0 else -math.inf))
     # one case in eleven of the other 4-D ones has gpt-oss's sink column (no draw either)
     if not merged and not case.mutant and case.product != "sdpa" and case.route == "ours" and seed % 11 == 5:
         case.sinks = "cat_max" if seed % 2 else "cat"
@@ -203,6 +211,15 @@ class FuzzModule(nn.Module):
         self.safe = False  # aten._safe_softmax instead of softmax: the reference for NaN gradients
         if case.sinks != "none":
             self.sinks = nn.Parameter((torch.randn(case.h, generator=g) * 2).to(case.dtype))
+        if any(m.kind == "doc" for m in case.masks):  # document ids (B, L): sorted runs or scattered
+            doc = torch.randint(0, 3, (case.b, case.lq), generator=g)
+            self.register_buffer("doc", doc.sort(-1).values if case.seed % 4 < 2 else doc)
+
+    def _doc_keep(self, lq):
+        keep = (self.doc[:, :, None] == self.doc[:, None, :])[:, None]
+        if any(m.spelling == "docs_causal" for m in self.case.masks):
+            keep = keep & torch.ones(lq, lq, dtype=torch.bool, device=keep.device).tril()
+        return keep
 
     def _bias_values(self):
         """The learned biases, as the masks add them: gathered from their tables (case.table)."""
@@ -251,6 +268,8 @@ class FuzzModule(nn.Module):
                                    == torch.arange(lq, device=x.device)[:, None] // n)
                 return torch.where(keep, x, value)
             return x + torch.full((lq, lk), value, dtype=x.dtype, device=x.device).triu(1)
+        if m.kind == "doc":
+            return x.masked_fill(~self._doc_keep(lq), value)
         keep = pad_keep if m.kind == "pad" else rand_keep
         if c.variant == "fill_zero":
             return x.masked_fill(~keep, 0.0)
@@ -291,6 +310,8 @@ class FuzzModule(nn.Module):
                     if m.spelling.startswith("chunk"):
                         n = int(m.spelling[len("chunk"):])
                         keep = keep & (torch.arange(lk)[None, :] // n == torch.arange(lq)[:, None] // n)
+                elif m.kind == "doc":
+                    keep = keep & self._doc_keep(lq)
                 else:
                     keep = keep & (pad_keep if m.kind == "pad" else rand_keep)
             return keep, False

@@ -133,13 +133,15 @@ def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
 
 
 def attention_pair(q, k, v, dout, bias=None, is_causal=True, need_dbias=False, p=0.0, seed=None,
-                   replace=None, window=0, chunk=0):
+                   replace=None, window=0, chunk=0, documents=None):
     scale = q.shape[-1] ** -0.5
     extra = {} if replace is None else {"replace": replace}
     if window:
         extra["window"] = window
     if chunk:
         extra["chunk"] = chunk
+    if documents is not None:
+        extra["documents"] = documents
     out, lse = OPS.attention(q, k, v, bias, p, is_causal, scale, dropout_seed=seed, **extra)
     dq, dk, dv, db = OPS.attention_backward(dout, q, k, v, bias, out, lse, p, is_causal, scale,
                                             seed, need_dbias, **extra)
@@ -147,7 +149,7 @@ def attention_pair(q, k, v, dout, bias=None, is_causal=True, need_dbias=False, p
 
 
 def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias=False, p=0.0,
-                   is_causal=True, device="cuda", replace=False, window=0, chunk=0):
+                   is_causal=True, device="cuda", replace=False, window=0, chunk=0, documents=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
@@ -167,12 +169,16 @@ def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias
     if replace:  # a replace mask (next to a float mask), broadcast over heads and queries
         with mode:
             extra.append(torch.ones(B, 1, 1, L, dtype=torch.bool, device=device))
+    if documents:  # document ids (B, L)
+        with mode:
+            extra.append(torch.zeros(B, L, dtype=torch.int64, device=device))
 
     def fn(q, k, v, dout, *extra):
         bias = extra[0] if mask else None
         seed = extra[1 if mask else 0] if p else None
-        return attention_pair(q, k, v, dout, bias, is_causal, need_dbias, p, seed,
-                              extra[-1] if replace else None, window, chunk)
+        docs = extra[-1] if documents else None
+        rep = extra[-2 if documents else -1] if replace else None
+        return attention_pair(q, k, v, dout, bias, is_causal, need_dbias, p, seed, rep, window, chunk, docs)
 
     return trace(fn, q, k, v, dout, *extra)
 
@@ -367,6 +373,9 @@ CASES = {
     "window": lambda: attention_case(1, 16, 4, 4000, 128, window=512),
     # chunked attention (issue 31, Llama 4): the same kernels, the chunk their int "window" argument
     "chunk": lambda: attention_case(1, 16, 4, 4000, 128, chunk=1024),
+    # packed documents (issue 31): the same kernels, the ids' span table (sort, searchsorted: torch
+    # ops Inductor compiles beside them) their "Docs" argument
+    "documents": lambda: attention_case(2, 16, 4, 4000, 128, documents=True),
     # BERT's attention (128 tokens: one key block): the one-launch backward
     "one_key_block": lambda: attention_case(32, 12, 12, 128, 64, mask="bool", p=0.1,
                                             is_causal=False),

@@ -24,14 +24,15 @@ pytestmark = pytest.mark.filterwarnings(
 
 
 def test_generator_covers_the_cases_that_matter():
-    """The fast subset holds every mutant kind, each mask kind and value (sliding windows of 1-3 keys
-    and causal chunks too), both orders of causal and
+    """The fast subset holds every mutant kind, each mask kind and value (sliding windows of 1-3 keys,
+    causal chunks and packed documents too), both orders of causal and
     padding, fully masked rows (left padding meeting a causal mask), Lq != Lk, Lq = 1, GQA, 3-D
     bmm, float64: so that a pass of the subset means something."""
     cases = [make_case(s) for s in range(FAST_CASES)]
     assert {c.variant for c in cases} >= set(MUTANTS)
     steps = [m for c in cases for m in c.masks]
-    assert {m.kind for m in steps} == {"causal", "pad", "rand", "bias"}
+    assert {m.kind for m in steps} == {"causal", "pad", "rand", "bias", "doc"}
+    assert {m.spelling for m in steps if m.kind == "doc"} == {"docs", "docs_causal"}  # (the op's documents)
     causal = {m.spelling for m in steps if m.kind == "causal"}
     assert causal >= {"fill_not_tril", "fill_triu", "where", "add", "window1", "window2", "window3"}
     assert any(s.startswith("chunk") for s in causal)  # causal chunks (Llama 4) too

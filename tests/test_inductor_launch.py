@@ -88,6 +88,18 @@ def test_ops_become_kernel_launches(traced, name, expected):
     assert kernels(case) == expected
 
 
+def test_documents_become_kernel_launches(traced):
+    """Packed documents (issue 31): the general kernels, the span table built by torch ops beside
+    them. Inductor's analysis counts the table as written by the atomic backward (its loop bounds,
+    hence the dQ addresses, come from the table's values: kernels/launch.py ``address_reads``), so
+    Inductor may copy it once before that launch (B·L·8 bytes); nothing else is copied."""
+    case = traced["documents"]
+    assert "error" not in case, case.get("error")
+    assert case["opaque"] == [] and case["empty_outputs"] == [] and case["copies"] == []
+    assert kernels(case) == [FWD, PRE, ATOMIC]
+    assert set(case["cloned_inputs"]) <= {"attention_bwd_kernel.Docs"}
+
+
 def test_head_merge_is_a_view(traced):
     """The output is laid out (B, L, H, D) (ops/attention.py): a model's head merge
     (transpose + reshape) reads it in place, and the gradient arriving through that merge goes

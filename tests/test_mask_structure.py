@@ -1,8 +1,8 @@
 """Mask structure read from the graph (issue 31): a sliding window's lower bound, chunks and
 documents, proven from their index comparisons for every size and named by `explain`. A window
 beside the causal mask becomes the op's `window` argument (tests/test_window.py), chunks beside it
-its `chunk` argument (tests/test_chunk.py); documents, and chunks without a causal mask, stay in the
-bias (the rewrite's numbers unchanged)."""
+its `chunk` argument (tests/test_chunk.py), documents the op's `documents` (tests/test_documents.py);
+chunks without a causal mask stay in the bias (the rewrite's numbers unchanged)."""
 import pytest
 import torch
 from torch import nn

@@ -23,6 +23,13 @@ Shapes and layouts
   visible to query i iff ``j // chunk == i // chunk`` and ``j <= i``: the same machinery as the
   window below (``_band_lo`` / ``_band_end``: the band's first key per row), the kernels skip every
   key block outside a query block's chunks.
+* ``documents`` (None, or integer ids (B, L) or (1, L); self-attention, Lq == Lk; with or without
+  ``is_causal``, not with a window or chunks): packed sequences, key j visible to query i iff
+  ``documents[b, j] == documents[b, i]``. The launch turns the ids into a (B, L, 2) int32 table
+  of each position's document span (``call.document_ranges``, on the device, no sync); the
+  general kernels (``WINDOW`` 3) reduce a block's spans to the blocks it may meet
+  (``_doc_span``: exact for contiguous documents, a superset otherwise), skip the rest and mask
+  every visited tile by ``lo[i] == lo[j]`` (``_same_document``).
 * ``window`` (with ``is_causal``; 0: none): a sliding window, key j visible to query i iff
   ``i - window < j <= i`` (HF's ``sliding_window``). The general kernels (forward, both backward
   paths) find each block's live range from the sizes alone (``_key_blocks`` / ``_query_blocks``
@@ -167,7 +174,8 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=No
                       rope: Optional[Rope] = None, dropout_p: float = 0.0,
                       dropout_seed: Optional[torch.Tensor] = None, softcap: float = 0.0,
                       replace: Optional[torch.Tensor] = None, window: int = 0,
-                      need_lse: bool = True, chunk: int = 0):
+                      need_lse: bool = True, chunk: int = 0,
+                      documents: Optional[torch.Tensor] = None):
     """Returns ``(out, lse)``; see the module docstring for shapes and semantics.
 
     Args:
@@ -186,6 +194,8 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=No
             none). The kernels skip the key blocks it hides (the general family only).
         chunk: with is_causal (no window), chunked attention: query i sees the keys of its
             chunk, j // chunk == i // chunk, up to itself (0: none; the general family only).
+        documents: integer ids (B, L) or (1, L) (Lq == Lk): query i sees the keys of its own
+            document only (None: none; the general family only).
         need_lse: False (inference: no backward will read it) lets a family that computes the
             logsumexp at a cost skip it (the efficient family; the Triton kernels write it
             anyway, cuDNN too: measured no faster without): the returned lse is then unspecified.
@@ -194,7 +204,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=No
     call = AttentionCall.forward(q, k, v, bias, is_causal=is_causal, scale=scale,
                                  config=_user_config(config), rope=rope, dropout_p=dropout_p,
                                  dropout_seed=dropout_seed, softcap=softcap, replace=replace,
-                                 window=window, need_lse=need_lse, chunk=chunk)
+                                 window=window, need_lse=need_lse, chunk=chunk, documents=documents)
     if call.empty:
         B, Hq, Lq, _, _, _, Dv = call.sizes
         out = host.empty((B, Lq, Hq, Dv), q.dtype, q.device).transpose(1, 2)
@@ -210,7 +220,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                        rope: Optional[Rope] = None, dropout_p: float = 0.0,
                        dropout_seed: Optional[torch.Tensor] = None,
                        group_split: Optional[int] = None, softcap: float = 0.0,
-                       replace: Optional[torch.Tensor] = None, window: int = 0, chunk: int = 0):
+                       replace: Optional[torch.Tensor] = None, window: int = 0, chunk: int = 0,
+                       documents: Optional[torch.Tensor] = None):
     """Returns ``(dq, dk, dv, dbias_or_None)``; see the module docstring.
 
     Args (besides ``attention_forward``'s):
@@ -228,7 +239,8 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                                   need_dbias=need_dbias, config=_user_config(config),
                                   deterministic=deterministic, rope=rope, dropout_p=dropout_p,
                                   dropout_seed=dropout_seed, group_split=group_split,
-                                  softcap=softcap, replace=replace, window=window, chunk=chunk)
+                                  softcap=softcap, replace=replace, window=window, chunk=chunk,
+                                  documents=documents)
     if call.empty:
         q_in, k_in, v_in = call.inputs
         return (layout_like(q_in, q.dtype), layout_like(k_in, k.dtype), layout_like(v_in, v.dtype),

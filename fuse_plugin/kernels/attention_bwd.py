@@ -13,6 +13,8 @@ from .attention_tiles import (
     _band_end,
     _band_lo,
     _capped_scores,
+    _doc_query_blocks,
+    _doc_span,
     _dot,
     _dot_acc,
     _dot_nt,
@@ -58,7 +60,7 @@ def _row_stats(o_base, stride_om, stride_od, lse_base, stride_lm, do0, do1, star
 
 @triton.jit
 def attention_bwd_preprocess_kernel(
-    Out, DO, Lse, Delta, RowM, RowR, Q, K, Bias, Rep, DQA, Cos, Sin,
+    Out, DO, Lse, Delta, RowM, RowR, Q, K, Bias, Rep, DQA, Cos, Sin, Docs,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
@@ -68,7 +70,7 @@ def attention_bwd_preprocess_kernel(
     stride_rb, stride_rh, stride_rm, stride_rn,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, kv_group, Lq, Lk, window, D: tl.constexpr, Dv: tl.constexpr, score_scale, cap,
+    Hq, kv_group, Lq, Lk, window, stride_docb, D: tl.constexpr, Dv: tl.constexpr, score_scale, cap,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, ZERO_DQ: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr,
@@ -119,6 +121,7 @@ def attention_bwd_preprocess_kernel(
             rep_base = Rep + b * stride_rb + h * stride_rh
             ck_base = Cos + b * stride_ckb + kvh * stride_ckh
             sk_base = Sin + b * stride_ckb + kvh * stride_ckh
+            doc_base = Docs + b * stride_docb
             q0, q1, q2 = _load_qk(Q + b * stride_qb + h * stride_qh, start_m, Lq, stride_qm,
                                   stride_qd, Cos + b * stride_cqb + h * stride_cqh,
                                   Sin + b * stride_cqb + h * stride_cqh, stride_cqm, stride_cqd,
@@ -139,7 +142,7 @@ def attention_bwd_preprocess_kernel(
                                          Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
                                          stride_rm, stride_rn, score_scale, cap, IS_CAUSAL,
                                          BIAS_KIND, True, SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW,
-                                         window)
+                                         window, doc_base)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
                 l_i = l_i * _exp(m_i - m_ref, True) + tl.sum(_exp(s - m_ref[:, None], True), 1)
@@ -173,7 +176,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
               IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
               NEED_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-              BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, window):
+              BLOCK_M: tl.constexpr, WINDOW: tl.constexpr, window, docs):
     """One (key block, query block) pair on transposed (keys x queries) tiles: dV += P^T dO and
     dK += dS^T Q stay in registers; dQ += dS K is added atomically (unscaled; the cast kernel
     applies the softmax scale). With ROT, q (and k) are the rotated tiles, dK/dQ gradients
@@ -209,7 +212,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
                                          Lq, Lk, bias_base, stride_bm, stride_bn, rep_base,
                                          stride_rm, stride_rn, score_scale, cap, IS_CAUSAL,
                                          BIAS_KIND, MASK, SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW,
-                                         window)
+                                         window, docs)
         if BIAS_KIND == 2 and ONE_KEY_BLOCK:
             # Natural units, as the preprocess: RowM = lse, RowR = 0; where the lse lost
             # precision (|lse| > _LSE_EXACT_LIMIT in this block), the rows' exact max and log2
@@ -275,7 +278,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
 
 @triton.jit
 def attention_bwd_kernel(
-    Q, K, V, Bias, Rep, DO, DQA, DK, DV, DS, Delta, RowM, RowR, Cos, Sin, Out, Lse, DQ,
+    Q, K, V, Bias, Rep, DO, DQA, DK, DV, DS, Delta, RowM, RowR, Cos, Sin, Out, Lse, DQ, Docs,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -290,7 +293,7 @@ def attention_bwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    Hq, Hkv, kv_group, Lq, Lk, window, score_scale, sm_scale,
+    Hq, Hkv, kv_group, Lq, Lk, window, stride_docb, score_scale, sm_scale,
     Seed, drop_thresh, inv_keep, group_split, split_stride_dk, split_stride_dv, cap,
     D: tl.constexpr, Dv: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
@@ -340,8 +343,13 @@ def attention_bwd_kernel(
     dk0, dk1, dk2 = _zero_parts(BLOCK_N, D0, D1, D2)
     dv0, dv1, _ = _zero_parts(BLOCK_N, DV0, DV1, 0)
 
-    lo, mid, n_full, end = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N, WINDOW,
-                                         window)
+    doc_base = Docs + b * stride_docb  # the documents table (WINDOW 3): (L, 2) int32 rows
+    if WINDOW == 3:  # documents: the query blocks of this key block's documents, all masked
+        lo, mid, n_full, end = _doc_query_blocks(doc_base, start_n, Lq, Lk, IS_CAUSAL, BLOCK_M,
+                                                 BLOCK_N)
+    else:
+        lo, mid, n_full, end = _query_blocks(start_n, Lq, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N, WINDOW,
+                                             window)
     if ONE_KEY_BLOCK:
         end = Lq  # each program stores its rows' dQ: rows the window hides get their zeros too
     # The masked blocks, [lo, mid) then (with a window) [tail, end), walked by one loop (so the
@@ -386,7 +394,7 @@ def attention_bwd_kernel(
                     stride_dqm, stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP,
                     HAS_REPLACE, BIAS_KEYS, D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED,
                     HALF_TABLE, IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT,
-                    BLOCK_M, WINDOW, window)
+                    BLOCK_M, WINDOW, window, doc_base)
         else:
             for start_m in range(lo, mid, BLOCK_M):
                 dk0, dk1, dk2, dv0, dv1 = _bwd_step(
@@ -399,7 +407,7 @@ def attention_bwd_kernel(
                     stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE, BIAS_KEYS,
                     D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                     IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M, WINDOW,
-                    window)
+                    window, doc_base)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
         # one head do not all add into the same dQ rows at the same time.
         for j in range(0, n_full):
@@ -414,7 +422,7 @@ def attention_bwd_kernel(
                 stride_dqd, sm_scale, ONE_KEY_BLOCK, DROPOUT, SOFTCAP, HAS_REPLACE, BIAS_KEYS,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, False, NEED_DS, PRECISION, UPCAST_DOT, BLOCK_M, WINDOW,
-                window)
+                window, doc_base)
         if WINDOW:
             if NEED_DS:
                 # Query blocks past the window's reach see none of this key block: dS = 0.
@@ -500,7 +508,7 @@ def attention_dq_rope_cast_kernel(
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, Bias, Rep, DO, DK, DV, Delta, RowM, RowR, Cos, Sin,
+    Q, K, V, Bias, Rep, DO, DK, DV, Delta, RowM, RowR, Cos, Sin, Docs,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -511,7 +519,8 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, Hkv, kv_group, Lq, Lk, window, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
+    Hq, Hkv, kv_group, Lq, Lk, window, stride_docb, D: tl.constexpr, Dv: tl.constexpr, score_scale,
+    sm_scale,
     Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr,
@@ -555,7 +564,12 @@ def attention_bwd_dkdv_kernel(
     else:
         lo = 0
     # Sliding window (or chunks): query rows from the band's end after this block's last key see none of it.
-    if WINDOW:
+    doc_base = Docs + b * stride_docb
+    if WINDOW == 3:  # documents: the query rows of this key block's documents (_doc_span)
+        first, end = _doc_span(doc_base, start_n, Lk, BLOCK_N)
+        lo = tl.maximum(lo, (first // BLOCK_M) * BLOCK_M)
+        end = tl.minimum(Lq, end)
+    elif WINDOW:
         end = tl.minimum(Lq, _band_end(start_n + BLOCK_N - 1, window, WINDOW))
     else:
         end = Lq
@@ -588,7 +602,8 @@ def attention_bwd_dkdv_kernel(
                                              offs_n[:, None], Lq, Lk, bias_base, stride_bm,
                                              stride_bn, rep_base, stride_rm, stride_rn,
                                              score_scale, cap, IS_CAUSAL, BIAS_KIND, True,
-                                             SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW, window)
+                                             SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW, window,
+                                             doc_base)
             p_t = _probs(s_t, row_m[None, :], row_r[None, :], BIAS_KIND)
             dp_t = _dot(v, tl.trans(do), PRECISION, UPCAST_DOT)
             if DROPOUT:
@@ -626,7 +641,7 @@ def attention_bwd_dkdv_kernel(
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, Bias, Rep, DO, DQ, DS, Delta, RowM, RowR, Cos, Sin,
+    Q, K, V, Bias, Rep, DO, DQ, DS, Delta, RowM, RowR, Cos, Sin, Docs,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -637,7 +652,8 @@ def attention_bwd_dq_kernel(
     stride_dsb, stride_dsh, stride_dsm, stride_dsn,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, kv_group, Lq, Lk, window, D: tl.constexpr, Dv: tl.constexpr, score_scale, sm_scale,
+    Hq, kv_group, Lq, Lk, window, stride_docb, D: tl.constexpr, Dv: tl.constexpr, score_scale,
+    sm_scale,
     Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
     DROPOUT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_REPLACE: tl.constexpr,
@@ -692,7 +708,12 @@ def attention_bwd_dq_kernel(
     else:
         hi = Lk
     # Sliding window (or chunks): key blocks ending before the block's first row's first key are hidden.
-    if WINDOW:
+    doc_base = Docs + b * stride_docb
+    if WINDOW == 3:  # documents: the key blocks of the block's rows' documents (_doc_span)
+        first, last = _doc_span(doc_base, start_m, Lq, BLOCK_M)
+        lo = (first // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(hi, last)
+    elif WINDOW:
         lo = (_band_lo(start_m, window, WINDOW) // BLOCK_N) * BLOCK_N
     else:
         lo = 0
@@ -705,7 +726,7 @@ def attention_bwd_dq_kernel(
         s, t, rep = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
                                    bias_base, stride_bm, stride_bn, rep_base, stride_rm,
                                    stride_rn, score_scale, cap, IS_CAUSAL, BIAS_KIND, True,
-                                   SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW, window)
+                                   SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW, window, doc_base)
         p = _probs(s, row_m[:, None], row_r[:, None], BIAS_KIND)
         dp = _dot(do, tl.trans(v), PRECISION, UPCAST_DOT)
         if DROPOUT:

@@ -9,6 +9,7 @@ from .attention_tiles import (
     _LN2,
     _dot_acc,
     _dot_nt,
+    _doc_key_blocks,
     _dropout_keep,
     _exp,
     _key_blocks,
@@ -36,9 +37,11 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
               ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
               IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
               SCALE_POS: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
-              BLOCK_N: tl.constexpr, BIAS_KEYS: tl.constexpr, WINDOW: tl.constexpr, window):
+              BLOCK_N: tl.constexpr, BIAS_KEYS: tl.constexpr, WINDOW: tl.constexpr, window,
+              docs):
     """One key block of the online softmax (with ROT, the key tile is rotated after its load).
-    WINDOW: a sliding window, which can hide a row's whole block (the -inf guard below)."""
+    WINDOW: a sliding window, chunks or documents (``docs``: WINDOW 3), which can hide a row's
+    whole block (the -inf guard below)."""
     k0, k1, k2 = _load_qk(k_base, start_n, Lk, stride_kn, stride_kd, ck_base, sk_base,
                           stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED, HALF_TABLE,
                           BLOCK_N)
@@ -49,7 +52,7 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
             s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq,
                                      Lk, bias_base, stride_bm, stride_bn, rep_base, stride_rm,
                                      stride_rn, score_scale, cap, IS_CAUSAL, BIAS_KIND, MASK,
-                                     SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW, window)
+                                     SOFTCAP, HAS_REPLACE, BIAS_KEYS, WINDOW, window, docs)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             if WINDOW:  # a row may have met only hidden keys so far: keep (-inf) - (-inf) out
                 m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -73,7 +76,7 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
         s, _, _ = _capped_scores(qk, start_m, start_n, offs_m[:, None], offs_n[None, :], Lq, Lk,
                                  bias_base, stride_bm, stride_bn, rep_base, stride_rm, stride_rn,
                                  score_scale, cap, IS_CAUSAL, BIAS_KIND, MASK, SOFTCAP,
-                                 HAS_REPLACE, BIAS_KEYS, WINDOW, window)
+                                 HAS_REPLACE, BIAS_KEYS, WINDOW, window, docs)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A bias can mask a row's whole block: while a row has seen only -inf, use 0 as the
         # reference so that (-inf) - (-inf) never produces NaN (p and alpha are then 0).
@@ -95,7 +98,7 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, Bias, Rep, Out, Lse, Cos, Sin,
+    Q, K, V, Bias, Rep, Out, Lse, Cos, Sin, Docs,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -105,7 +108,7 @@ def attention_fwd_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, kv_group, Lq, Lk, window, score_scale,
+    Hq, kv_group, Lq, Lk, window, stride_docb, score_scale,
     Seed, drop_thresh, inv_keep, cap,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, SCALE_POS: tl.constexpr,
@@ -139,6 +142,7 @@ def attention_fwd_kernel(
     sq_base = Sin + b * stride_cqb + h * stride_cqh
     ck_base = Cos + b * stride_ckb + kvh * stride_ckh
     sk_base = Sin + b * stride_ckb + kvh * stride_ckh
+    doc_base = Docs + b * stride_docb  # the documents table (WINDOW 3): (L, 2) int32 rows
 
     start_m = pid_m * BLOCK_M
     offs_m = tl.arange(0, BLOCK_M)
@@ -157,9 +161,14 @@ def attention_fwd_kernel(
     acc0, acc1, _ = _zero_parts(BLOCK_M, DV0, DV1, 0)
 
     # [lo, full_lo): the window's lower edge (masked); [full_lo, full_end): fully visible;
-    # [full_end, hi): the causal diagonal / last partial key block (masked).
-    lo, full_lo, full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N, WINDOW,
-                                            window)
+    # [full_end, hi): the causal diagonal / last partial key block (masked). Documents: the
+    # key blocks of the rows' documents, all masked.
+    if WINDOW == 3:
+        lo, full_lo, full_end, hi = _doc_key_blocks(doc_base, start_m, Lq, Lk, IS_CAUSAL, BLOCK_M,
+                                                    BLOCK_N)
+    else:
+        lo, full_lo, full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N, WINDOW,
+                                                window)
     if WINDOW:
         for start_n in range(lo, full_lo, BLOCK_N):
             m_i, l_i, acc0, acc1 = _fwd_step(
@@ -170,7 +179,7 @@ def attention_fwd_kernel(
                 HAS_REPLACE,
                 D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
                 IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N,
-                BIAS_KEYS, WINDOW, window)
+                BIAS_KEYS, WINDOW, window, doc_base)
     for start_n in range(full_lo, full_end, BLOCK_N):
         m_i, l_i, acc0, acc1 = _fwd_step(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
@@ -180,7 +189,7 @@ def attention_fwd_kernel(
             HAS_REPLACE,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, False, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N,
-            BIAS_KEYS, WINDOW, window)
+            BIAS_KEYS, WINDOW, window, doc_base)
     for start_n in range(full_end, hi, BLOCK_N):
         m_i, l_i, acc0, acc1 = _fwd_step(
             q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_base, sk_base,
@@ -190,7 +199,7 @@ def attention_fwd_kernel(
             HAS_REPLACE,
             D, D0, D1, D2, Dv, DV0, DV1, ROT, INTERLEAVED, HALF_TABLE,
             IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N,
-            BIAS_KEYS, WINDOW, window)
+            BIAS_KEYS, WINDOW, window, doc_base)
 
     # A fully masked row has l_i == 0: 0/0 = NaN like eager softmax, and lse = -inf.
     inv_l = 1.0 / l_i

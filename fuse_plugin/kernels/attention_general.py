@@ -149,19 +149,22 @@ def _dots(q) -> dict:
 
 def _common(call) -> dict:
     """The constexprs every general kernel takes: the masks, the bias's form, the dots'."""
-    # WINDOW: 0 none, 1 a sliding window, 2 chunks (attention_tiles._band_lo); its size: "window"
-    return dict(IS_CAUSAL=call.is_causal, WINDOW=2 if call.chunk else bool(call.window), BIAS_KIND=call.kind,
+    # WINDOW: 0 none, 1 a sliding window, 2 chunks (attention_tiles._band_lo; its size: "window"),
+    # 3 documents (the table "Docs": attention_tiles._doc_span)
+    window = 3 if call.documents is not None else 2 if call.chunk else bool(call.window)
+    return dict(IS_CAUSAL=call.is_causal, WINDOW=window, BIAS_KIND=call.kind,
                 HAS_REPLACE=call.has_rep, BIAS_KEYS=call.bias_keys, **_dots(call.q))
 
 
 def _inputs(call, with_v: bool = True) -> dict:
     """The call's input tensors by the kernels' names: Q, K, V (not with ``with_v`` False: the
-    preprocess reads no V), Bias, Rep (the replace mask), Cos, Sin (the rope tables)."""
+    preprocess reads no V), Bias, Rep (the replace mask), Cos, Sin (the rope tables), Docs (the
+    documents table, call.document_ranges; q, never read, without documents)."""
     if with_v:
         return {"Q": call.q, "K": call.k, "V": call.v, "Bias": call.bias_t, "Rep": call.rep_t,
-                "Cos": call.cos, "Sin": call.sin}
+                "Cos": call.cos, "Sin": call.sin, "Docs": call.doc_t}
     return {"Q": call.q, "K": call.k, "Bias": call.bias_t, "Rep": call.rep_t, "Cos": call.cos,
-            "Sin": call.sin}
+            "Sin": call.sin, "Docs": call.doc_t}
 
 
 def _input_strides(call, with_v: bool = True) -> dict:
@@ -181,10 +184,16 @@ def _input_stride_args(sq, sk, sv, sb, sr, scq, sck) -> dict:
 
 def _sizes(call) -> dict:
     """The sizes every general kernel takes (head counts and dims: ints; lengths: SymInts
-    under dynamic shapes; the sliding window or the chunk, 0 without)."""
+    under dynamic shapes; the sliding window or the chunk, 0 without; the documents table's batch
+    stride, 0 without or when one row serves every batch)."""
     _, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
-    return {"Hq": Hq, "kv_group": Hq // Hkv, "Lq": Lq, "Lk": Lk, "window": call.chunk or call.window, "D": D,
-            "Dv": Dv}
+    return {"Hq": Hq, "kv_group": Hq // Hkv, "Lq": Lq, "Lk": Lk, "window": call.chunk or call.window,
+            "stride_docb": call.doc_stride, "D": D, "Dv": Dv}
+
+
+def _address_reads(call) -> tuple:
+    """The documents table, whose values bound the backward's loops (launch.py ``address_reads``)."""
+    return ("Docs",) if call.documents is not None else ()
 
 
 def _scores(call) -> dict:
@@ -224,6 +233,7 @@ def run_forward(call, cfg: AttentionConfig, out_buf: torch.Tensor, lse: torch.Te
             **_common(call),
             BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **call.rc,
             writes=("Out", "Lse"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            address_reads=_address_reads(call),
         )
 
     with_retry(run, cfg, call.config is not None, _rope_variant(call))
@@ -367,6 +377,7 @@ def _launch_atomic(call, cfg, g, stats, dk_out, dv_out, dk_strides, dv_strides, 
         SOFTCAP=call.softcapped, **_common(call),
         BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **call.rc,
         writes=("DQ" if one_block else "DQA", "DK", "DV") + (("DS",) if call.need_dbias else ()),
+        address_reads=_address_reads(call),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return one_block
@@ -425,6 +436,7 @@ def run_backward_pair(call, cfg: AttentionConfig):
         **strides("dv", g.dv, KEY_ROWS),
         **scalars, Hkv=Hkv,
         **consts, writes=("DK", "DV"),
+        address_reads=_address_reads(call),
     )
     ds_t, ds_strides = g.ds_args(q)
     launch(
@@ -434,6 +446,7 @@ def run_backward_pair(call, cfg: AttentionConfig):
         **strides("ds", ds_strides, SCORES),
         **scalars,
         NEED_DS=call.need_dbias, **consts, writes=("DQ",) + (("DS",) if call.need_dbias else ()),
+        address_reads=_address_reads(call),
     )
     return g.dq, g.dk, g.dv, g.dbias
 

@@ -177,6 +177,60 @@ def _key_blocks(start_m, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _doc_span(docs, pos0, n, BLOCK: tl.constexpr):
+    """``(first, end)`` of the documents of positions [pos0, pos0 + BLOCK) (those < n): the least
+    ``lo`` and the greatest ``hi`` of their rows of the documents table (``docs``: the (L, 2)
+    int32 rows of one batch, contiguous; row p holds [lo, hi), the first and one past the last
+    position of p's document; call.document_ranges). As the queries and the keys share the ids
+    (self-attention), this is both the keys these queries may see and the queries that may see
+    these keys: exact where each document is contiguous, a superset otherwise (the tiles then
+    mask by ``_same_document``). Two loads of BLOCK int32 and two reductions."""
+    pos = pos0 + tl.arange(0, BLOCK)
+    ok = pos < n
+    first = tl.min(tl.load(docs + pos * 2, mask=ok, other=n), 0)
+    end = tl.max(tl.load(docs + pos * 2 + 1, mask=ok, other=0), 0)
+    return first, end
+
+
+@triton.jit
+def _same_document(docs, rows, cols, Lq, Lk):
+    """The (query, key) pairs of one document: ``lo[row] == lo[col]`` (lo, a document's first
+    position, names it uniquely; see ``_doc_span``). ``rows``/``cols`` broadcast against the
+    tile; out-of-range positions never match."""
+    a = tl.load(docs + rows * 2, mask=rows < Lq, other=-1)
+    b = tl.load(docs + cols * 2, mask=cols < Lk, other=-2)
+    return a == b
+
+
+@triton.jit
+def _doc_key_blocks(docs, start_m, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """``_key_blocks`` for documents (WINDOW 3): the key blocks from the one holding the first
+    key of the block's rows' documents up to their last key (``_doc_span``), cut by causal;
+    every block masked (``(lo, hi, hi, hi)``: the first loop of the forward walks them all)."""
+    first, end = _doc_span(docs, start_m, Lq, BLOCK_M)
+    hi = tl.minimum(Lk, end)
+    if IS_CAUSAL:
+        hi = tl.minimum(hi, start_m + BLOCK_M)
+    lo = (first // BLOCK_N) * BLOCK_N
+    return lo, hi, hi, hi
+
+
+@triton.jit
+def _doc_query_blocks(docs, start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """``_query_blocks`` for documents (WINDOW 3): the query blocks from the one holding the
+    first query of the key block's documents up to their last (``_doc_span``; causal: none
+    before the key block), all masked: ``(lo, end, 0, end)``."""
+    first, end = _doc_span(docs, start_n, Lk, BLOCK_N)
+    lo = (first // BLOCK_M) * BLOCK_M
+    if IS_CAUSAL:
+        lo = tl.maximum(lo, (start_n // BLOCK_M) * BLOCK_M)
+    end = tl.minimum(Lq, end)
+    return lo, end, end * 0, end  # (n_full a run-time 0, as the other paths' tensor: no loop folded)
+
+
+@triton.jit
 def _key_block_program(Lk, Hkv, kv_group, group_split, BLOCK_N: tl.constexpr):
     """What a program of the atomic backward owns: ``(pid_n, split, b, kvh, heads_per_split)``,
     key block ``pid_n`` (block 0, the causally heaviest, first) of KV head ``kvh`` of batch ``b``,
@@ -445,7 +499,7 @@ def _replaced(rep_base, row0, col0, r, c, Lq, Lk, stride_rm, stride_rn, HAS_REPL
 def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, score_scale,
             IS_CAUSAL: tl.constexpr, BIAS_KIND: tl.constexpr, MASK: tl.constexpr,
             HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr = False,
-            WINDOW: tl.constexpr = False, window=0):
+            WINDOW: tl.constexpr = False, window=0, docs=0):
     """Scale, bias and mask a tile of raw dot products ``qk``.
 
     Query index = row0 + r, key index = col0 + c, with ``r``/``c`` aranges shaped to broadcast
@@ -458,7 +512,9 @@ def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, 
     there: a key-padding mask, (B, 1, 1, Lk) broadcast): one value per key is loaded, a vector
     broadcast against the tile, not a tile of repeated values. WINDOW (with IS_CAUSAL): the
     keys at or before row - window are masked too (a sliding window: key j visible to query i
-    iff i - window < j <= i); WINDOW 2: the keys before row's chunk (``_band_lo``).
+    iff i - window < j <= i); WINDOW 2: the keys before row's chunk (``_band_lo``). WINDOW 3
+    (documents, with or without IS_CAUSAL): the keys of other documents (``_same_document`` on
+    the documents table ``docs``).
     """
     s = qk * score_scale
     if HAS_REPLACE:
@@ -479,8 +535,10 @@ def _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, 
         keep = cols < Lk
         if IS_CAUSAL:
             keep = keep & (cols <= row0 + r)
-            if WINDOW:
+            if WINDOW == 1 or WINDOW == 2:
                 keep = keep & (cols >= _band_lo(row0 + r, window, WINDOW))
+        if WINDOW == 3:
+            keep = keep & _same_document(docs, row0 + r, cols, Lq, Lk)
         s = tl.where(keep, s, float("-inf"))
     return s
 
@@ -506,7 +564,7 @@ def _capped_scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn
                    stride_rm, stride_rn, score_scale, cap, IS_CAUSAL: tl.constexpr,
                    BIAS_KIND: tl.constexpr, MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                    HAS_REPLACE: tl.constexpr, BIAS_KEYS: tl.constexpr = False,
-                   WINDOW: tl.constexpr = False, window=0):
+                   WINDOW: tl.constexpr = False, window=0, docs=0):
     """``_scores`` with the softcap (``SOFTCAP``) applied before the replace mask, the bias and
     the masks: (s, t, rep) with s = cap·t (+ bias, masks) and t = tanh(qk·score_scale); the
     launcher passes score_scale = scale / softcap and cap = softcap in the kernel's units (times
@@ -517,12 +575,12 @@ def _capped_scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn
     if SOFTCAP:
         t = _tanh(qk * score_scale)
         s = _scores(t, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep, cap,
-                    IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE, BIAS_KEYS, WINDOW, window)
+                    IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE, BIAS_KEYS, WINDOW, window, docs)
     else:
         t = qk
         s = _scores(qk, row0, col0, r, c, Lq, Lk, bias_base, stride_bm, stride_bn, rep,
                     score_scale, IS_CAUSAL, BIAS_KIND, MASK, HAS_REPLACE, BIAS_KEYS, WINDOW,
-                    window)
+                    window, docs)
     return s, t, rep
 
 

@@ -130,6 +130,49 @@ def check_chunk(chunk: int, is_causal: bool, window: int = 0) -> None:
         raise ValueError(f"fuse_plugin::attention: chunk={chunk} and window={window} together (one band at a time)")
 
 
+def check_documents(documents: Optional[torch.Tensor], q, k, window: int = 0, chunk: int = 0) -> None:
+    """documents: None, or integer ids (B, L) (or (1, L): one row for every batch) on q's device,
+    for self-attention (Lq == Lk == L), with or without is_causal, not with a window or chunks:
+    query i sees key j only where documents[b, i] == documents[b, j] (sequences packed in one row,
+    each attending to itself). Any integer values, in any order: a document need not be contiguous."""
+    if documents is None:
+        return
+    what = "fuse_plugin::attention: documents"
+    if not isinstance(documents, torch.Tensor):
+        raise ValueError(f"{what} must be a tensor of integer ids, got {type(documents).__name__}")
+    if documents.dtype.is_floating_point or documents.dtype.is_complex or documents.dtype == torch.bool:
+        raise ValueError(f"{what} must hold integer ids (int32 or int64), got {documents.dtype}")
+    B, Lq, Lk = q.shape[0], q.shape[2], k.shape[2]
+    if Lq != Lk:
+        raise ValueError(f"{what} need self-attention (Lq == Lk: queries and keys share the ids), got Lq={Lq}, "
+                         f"Lk={Lk}")
+    if documents.dim() != 2 or documents.shape[0] not in (1, B) or documents.shape[1] != Lq:
+        raise ValueError(f"{what} must be (B, L) = ({B}, {Lq}) (or (1, {Lq})), got {tuple(documents.shape)}")
+    if documents.device != q.device:
+        raise ValueError(f"{what} are on {documents.device}, q on {q.device}")
+    if window or chunk:
+        raise ValueError(f"{what} with window={window} / chunk={chunk} (one band at a time)")
+
+
+def document_ranges(documents: torch.Tensor) -> torch.Tensor:
+    """The documents table the kernels read: (B', L, 2) int32 contiguous, row i = [lo, hi), the
+    first position of i's document and one past its last (documents (B', L), any integer ids).
+
+    lo names the document (its first position: one per distinct id), so two positions share a
+    document iff their lo agree (``_same_document``); [lo, hi) holds every position of it, exactly
+    the document where it is contiguous, a superset where it is not (``_doc_span``). On the
+    device with plain ops, no host sync (O(L log L) per row): a stable sort of the ids, each run
+    of equal ids' first and last sorted places by searchsorted, their original positions (the
+    stable sort keeps them in order: the run's first is the least), scattered back to i."""
+    ids = documents.long()
+    sorted_ids, perm = torch.sort(ids, dim=-1, stable=True)
+    first = torch.searchsorted(sorted_ids, sorted_ids, side="left")
+    last = torch.searchsorted(sorted_ids, sorted_ids, side="right") - 1
+    spans = torch.stack([perm.gather(-1, first), perm.gather(-1, last) + 1], -1).to(torch.int32)
+    table = torch.empty_like(spans)
+    return table.scatter_(1, perm.unsqueeze(-1).expand_as(spans), spans)
+
+
 def check_softcap(softcap: float) -> None:
     """softcap: a finite number >= 0 (0 = off)."""
     if not (softcap >= 0.0 and math.isfinite(softcap)):
@@ -242,6 +285,7 @@ class AttentionCall:
     window: int = 0  # sliding window (with is_causal): query i sees keys i - window + 1 .. i
     need_lse: bool = True  # forward: False lets a family skip the logsumexp (inference; lse unspecified)
     chunk: int = 0  # chunked attention (with is_causal): query i sees keys j, j // chunk == i // chunk, j <= i
+    documents: Optional[torch.Tensor] = None  # ids (B or 1, L): query i sees keys j of its document
     # backward only
     dout: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
@@ -272,28 +316,33 @@ class AttentionCall:
     scq: tuple = (0, 0, 0, 0)
     sck: tuple = (0, 0, 0, 0)
     rc: dict = field(default_factory=lambda: dict(NO_ROPE))
+    doc_t: Any = None  # the documents table (document_ranges), q without documents (never read)
+    doc_stride: int = 0  # its batch stride (0: one row for every batch, or none)
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
     def forward(cls, q, k, v, bias, *, is_causal, scale, config=None, rope=None, dropout_p=0.0,
                 dropout_seed=None, softcap=0.0, replace=None, window=0,
-                need_lse=True, chunk=0) -> "AttentionCall":
+                need_lse=True, chunk=0, documents=None) -> "AttentionCall":
         check_inputs(q, k, v, bias)
         check_window(window, is_causal)
         check_chunk(chunk, is_causal, window)
+        check_documents(documents, q, k, window, chunk)
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         call = cls("fwd", q, k, v, bias, bool(is_causal), scale, dropout_p, dropout_seed, softcap,
-                   replace, rope, config, window=window, need_lse=bool(need_lse), chunk=chunk)
+                   replace, rope, config, window=window, need_lse=bool(need_lse), chunk=chunk,
+                   documents=documents)
         return call._derive()
 
     @classmethod
     def backward(cls, dout, q, k, v, bias, out, lse, *, is_causal, scale, need_dbias, config=None,
                  deterministic=None, rope=None, dropout_p=0.0, dropout_seed=None, group_split=None,
-                 softcap=0.0, replace=None, window=0, chunk=0) -> "AttentionCall":
+                 softcap=0.0, replace=None, window=0, chunk=0, documents=None) -> "AttentionCall":
         check_inputs(q, k, v, bias)
         check_window(window, is_causal)
         check_chunk(chunk, is_causal, window)
+        check_documents(documents, q, k, window, chunk)
         inputs = (q, k, v)
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         dout = unit_last_stride(dout)  # the forward's layout (out_layout): read by its strides
@@ -305,7 +354,8 @@ class AttentionCall:
         if deterministic is None:
             deterministic = torch.are_deterministic_algorithms_enabled()
         call = cls("bwd", q, k, v, bias, bool(is_causal), scale, dropout_p, dropout_seed, softcap,
-                   replace, rope, config, window=window, chunk=chunk, dout=dout, out=out, lse=lse,
+                   replace, rope, config, window=window, chunk=chunk, documents=documents, dout=dout,
+                   out=out, lse=lse,
                    need_dbias=bool(need_dbias),
                    deterministic=bool(deterministic), group_split=group_split, inputs=inputs)
         return call._derive()
@@ -323,6 +373,11 @@ class AttentionCall:
         self.seed, self.drop_thresh, self.inv_keep, self.dropout = dropout_args(
             self.dropout_p, self.dropout_seed, q)
         self.score_scale, self.cap, self.softcapped = _softcap_args(self.kind, self.scale, self.softcap)
+        if self.documents is None:
+            self.doc_t, self.doc_stride = q, 0
+        else:
+            self.doc_t = document_ranges(self.documents)
+            self.doc_stride = self.doc_t.stride(0) if self.doc_t.shape[0] > 1 else 0
         return self
 
     def _derive_bias(self) -> None:
@@ -366,6 +421,11 @@ class AttentionCall:
         return is_tracing()
 
     @property
+    def banded(self) -> bool:
+        """A window, chunks or documents: the kernels skip the blocks they hide (WINDOW)."""
+        return bool(self.window or self.chunk or self.documents is not None)
+
+    @property
     def bias_elt(self) -> int:
         return 0 if self.kind == NO_BIAS else self.bias_t.element_size()
 
@@ -382,7 +442,7 @@ class AttentionCall:
 
     def flops(self) -> float:
         """Forward FLOPs (4·B·Hq·Lq·Lk·D, half with causal, the band's share with a window), by
-        the sizes' hints."""
+        the sizes' hints (documents: as without them, an upper bound: their area is in the ids)."""
         B, Hq, Lq, D, _, Lk, _ = self.sizes
         f = 4.0 * hint(B) * Hq * hint(Lq) * hint(Lk) * D
         if self.window or self.chunk:
@@ -401,6 +461,7 @@ class AttentionCall:
                 parts.append(f"window-periodic ({self.period})")
         for on, what in ((self.is_causal, "causal"), (self.window, f"window {self.window}"),
                          (self.chunk, f"chunks of {self.chunk}"),
+                         (self.documents is not None, "documents"),
                          (self.dropout, "dropout"),
                          (self.softcapped, "softcap"), (self.has_rep, "replace mask"),
                          (self.rope is not None, "rope"), (self.need_dbias, "dbias"),

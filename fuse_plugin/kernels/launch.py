@@ -33,7 +33,10 @@ thing, as Triton's launcher would have passed them).
 Inductor works out what a user kernel writes from its Triton IR, and orders, frees and reuses
 buffers by that; an analysis that misses a write (a TMA reduction, say) would let it run the
 kernel after the read of its output, or drop it. So a traced launch first checks that the
-analysis finds exactly ``writes``, and raises ``Untraceable`` otherwise: the op then stays one
+analysis finds exactly ``writes`` (and, at most, the ``address_reads``: parameters whose loaded values
+bound the kernel's loops, so that the addresses it writes depend on them, which the analysis counts as
+writes: the documents table; Inductor then orders and copies them as written, safe, a read never
+misplaced), and raises ``Untraceable`` otherwise: the op then stays one
 opaque node in that graph (ops/inductor.py), correct at the old host cost.
 
 Gluon kernels (attention_*_gluon.py) cannot be traced: Inductor re-emits a user kernel's source
@@ -143,12 +146,14 @@ def descriptor(t: torch.Tensor, block) -> Any:
 
 
 def launch(kernel, grid, *args, writes: tuple = (), num_warps: int = 4,
-           num_stages: Optional[int] = None, **constexprs):
+           num_stages: Optional[int] = None, address_reads: tuple = (), **constexprs):
     """Launch ``kernel`` on ``grid`` (a tuple of up to 3 ints) now, or record the launch for
-    Inductor while ``tracing()``; ``writes``: the names of the parameters it writes. See the
-    module docstring."""
+    Inductor while ``tracing()``; ``writes``: the names of the parameters it writes;
+    ``address_reads``: those it only reads, whose values Inductor's analysis may count as writes
+    (see the module docstring)."""
     if is_tracing():
-        _record(kernel, tuple(grid), args, constexprs, tuple(writes), num_warps, num_stages)
+        _record(kernel, tuple(grid), args, constexprs, tuple(writes), num_warps, num_stages,
+                tuple(address_reads))
         return None
     args = [descriptor(*a) if isinstance(a, Desc) else a for a in args]
     options = {"num_warps": num_warps}
@@ -225,9 +230,10 @@ def _specialisation(kernel, bound: dict, tma: dict) -> tuple:
 
 
 def _check_writes(kernel, kernel_idx: int, constants_idx: int, graphable: dict, bound: dict,
-                  tma: dict, writes: tuple) -> None:
-    """Raise ``Untraceable`` unless Inductor's analysis of the kernel finds exactly ``writes``
-    (once per specialisation: the analysis compiles the kernel to Triton IR)."""
+                  tma: dict, writes: tuple, address_reads: tuple = ()) -> None:
+    """Raise ``Untraceable`` unless Inductor's analysis of the kernel finds exactly ``writes``,
+    plus at most ``address_reads`` (once per specialisation: the analysis compiles the kernel to
+    Triton IR)."""
     from torch._higher_order_ops.triton_kernel_wrap import get_mutated_tensors
 
     key = (kernel, _specialisation(kernel, bound, tma), writes)
@@ -240,7 +246,7 @@ def _check_writes(kernel, kernel_idx: int, constants_idx: int, graphable: dict, 
                          for k, v in graphable.items()}
         found = _CHECKED_WRITES[key] = frozenset(
             get_mutated_tensors(kernel_idx, constants_idx, stand_ins, tma))
-    if found != frozenset(writes):
+    if not frozenset(writes) <= found <= frozenset(writes) | frozenset(address_reads):
         raise Untraceable(
             f"Inductor's analysis of {kernel.__name__} finds it writes {sorted(found)}, "
             f"not {sorted(writes)}")
@@ -262,7 +268,7 @@ def _fresh_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, num_warps,
-            num_stages) -> None:
+            num_stages, address_reads: tuple = ()) -> None:
     from torch._higher_order_ops.triton_kernel_wrap import (
         kernel_side_table,
         triton_kernel_wrapper_mutation,
@@ -284,7 +290,7 @@ def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, n
     constants = {k: v for k, v in bound.items() if not _graphable(v)}
     kernel_idx = kernel_side_table.add_kernel(_with_config(kernel, num_warps, num_stages))
     constants_idx = kernel_side_table.add_constant_args(constants)
-    _check_writes(kernel, kernel_idx, constants_idx, graphable, bound, tma, writes)
+    _check_writes(kernel, kernel_idx, constants_idx, graphable, bound, tma, writes, address_reads)
     grid3 = tuple(grid) + (1,) * (3 - len(grid))
     triton_kernel_wrapper_mutation(
         kernel_idx=kernel_idx,

@@ -76,7 +76,7 @@ class Family:
     periodic_bias = False  # reads a window-periodic bias by its period (call.py)
     rule = ""  # why it is taken when it is the first that can run a call (the priority list)
 
-    takes_window = False  # runs a sliding window (``call.window``)
+    takes_window = False  # runs a sliding window, chunks, documents (``call.window``, ``chunk``, ``documents``)
 
     def why_not(self, call) -> Optional[str]:
         """Why this family cannot run ``call`` (None: it can): the features it lacks, then its
@@ -85,6 +85,8 @@ class Family:
             return "it takes no sliding window (the general kernels do)"
         if call.chunk and not self.takes_window:
             return "it takes no chunks (the general kernels do)"
+        if call.documents is not None and not self.takes_window:
+            return "it takes no documents (the general kernels do)"
         return self.cannot(call)
 
     def cannot(self, call) -> Optional[str]:
@@ -404,9 +406,10 @@ class General(Family):
             heuristic = forward_config if call.direction == "fwd" else backward_config
             entry = fit_smem(call.direction, heuristic(D, Dv, call.q.dtype), D, Dv,
                              call.q.element_size(), call.bias_elt, call.q.device)
-        if (call.window or call.chunk) and call.direction == "bwd" and entry.num_stages > 1:
+        if call.banded and call.direction == "bwd" and entry.num_stages > 1:
             # The windowed atomic backward hung the GPU (H200, Triton 3.6) with its pipelined
-            # tiles (64, 128, 8 warps, 2 stages) and ran with (64, 64, 4, 1): unpipelined here.
+            # tiles (64, 128, 8 warps, 2 stages) and ran with (64, 64, 4, 1): unpipelined here
+            # (documents too: the same merged loop of masked blocks).
             entry = entry._replace(num_stages=1)
         return rope_adjust(call.direction, entry, call.q.dtype, call.rc)
 

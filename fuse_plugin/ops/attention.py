@@ -2,7 +2,8 @@
 
     out, lse = torch.ops.fuse_plugin.attention(q, k, v, attn_bias, dropout_p, is_causal, scale,
                                                dropout_seed=None, softcap=0.0, replace=None,
-                                               window=0, need_lse=True, chunk=0)
+                                               window=0, need_lse=True, chunk=0,
+                                               documents=None)
 
 computes softmax(q·kᵀ·scale + bias [causal]) · v (with softcap c > 0:
 softmax(c·tanh(q·kᵀ·scale / c) + bias [causal]) · v, Gemma 2's and Grok's logit softcapping,
@@ -22,7 +23,11 @@ applied to the scaled scores before the bias and the masks; 0 = off) with
   the square), where the same window as a bias would cost the whole causal triangle;
   chunk (with is_causal, not with a window; 0 = none) chunked attention (Llama 4): key j is visible
   to query i iff j // chunk == i // chunk and j <= i; the kernels skip the key blocks outside each
-  query block's chunks, as for the window.
+  query block's chunks, as for the window;
+  documents (None, or integer ids (B, L) or (1, L), any values in any order; self-attention only,
+  Lq == Lk; with or without is_causal, not with a window or chunks) packed sequences: key j is
+  visible to query i iff documents[b, j] == documents[b, i] (torchtitan / TRL packing). The
+  kernels skip the key blocks no query of a block can see (kernels/call.py document_ranges).
 Outputs: out (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv) in memory (a transposed
 view, as SDPA's flash/cuDNN outputs: the usual head merge `out.transpose(1, 2).reshape(B, Lq, -1)`
 is then a view, no copy), lse (B, Hq, Lq) float32 contiguous (natural log).
@@ -53,7 +58,7 @@ This is what a finite masked_fill / where of the scores next to additive terms c
 (patterns/attention_bias.py builds the bias by replaying the chain's masks on zero scores and
 the mask as the union of the fill masks). Only the general Triton kernels take it, as softcap.
 
-Window and chunk: only the general Triton kernels take them (kernels/registry.py: every other family says
+Window, chunk and documents: only the general Triton kernels take them (kernels/registry.py: every other family says
 why not); the CPU reference masks the band. The rewrite passes it where it proves a causal
 sliding-window mask (patterns/mask_structure.py), instead of an (Lq, Lk) bias.
 
@@ -69,7 +74,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..kernels.call import check_chunk, check_dropout, check_softcap, check_window  # (imports no Triton kernel)
+from ..kernels.call import (check_chunk, check_documents, check_dropout, check_softcap,  # (imports no Triton kernel)
+                            check_window)
 from ..kernels.host import in_layout_of, layout_like
 from . import _dispatch, inductor, reference
 
@@ -167,12 +173,13 @@ _LIB = torch.library.Library("fuse_plugin", "FRAGMENT")
 _LIB.define(
     "attention(Tensor q, Tensor k, Tensor v, Tensor? attn_bias, float dropout_p, bool is_causal, "
     "float scale, Tensor? dropout_seed=None, float softcap=0.0, Tensor? replace=None, int window=0, "
-    "bool need_lse=True, int chunk=0) -> (Tensor, Tensor)",
+    "bool need_lse=True, int chunk=0, Tensor? documents=None) -> (Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 _LIB.define(
     "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor? attn_bias, Tensor out, "
     "Tensor lse, float dropout_p, bool is_causal, float scale, Tensor? dropout_seed, "
-    "bool need_dbias, float softcap=0.0, Tensor? replace=None, int window=0, int chunk=0) "
+    "bool need_dbias, float softcap=0.0, Tensor? replace=None, int window=0, int chunk=0, "
+    "Tensor? documents=None) "
     "-> (Tensor, Tensor, Tensor, Tensor)",
     tags=(torch.Tag.pt2_compliant_tag,))
 
@@ -180,28 +187,32 @@ _LIB.define(
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], dropout_p: float,
               is_causal: bool, scale: float, dropout_seed: Optional[Tensor] = None,
               softcap: float = 0.0, replace: Optional[Tensor] = None, window: int = 0,
-              need_lse: bool = True, chunk: int = 0) -> tuple[Tensor, Tensor]:
+              need_lse: bool = True, chunk: int = 0, documents: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Triton kernel on CUDA (and on the CPU under the interpreter); the reference otherwise."""
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
     check_window(window, is_causal)
     check_chunk(chunk, is_causal, window)
+    check_documents(documents, q, k, window, chunk)
     check_bias(attn_bias, q, k)
     check_replace(replace, attn_bias, q, k)
     return forward_impl(q, k, v, attn_bias, is_causal, scale, dropout_p, dropout_seed, softcap, replace, window,
-                        need_lse, chunk)
+                        need_lse, chunk, documents)
 
 
 def _extra(softcap: float, replace: Optional[Tensor], q: Tensor, k: Tensor, whole: bool = False,
-           period: Optional[int] = None, window: int = 0, chunk: int = 0) -> dict:
-    """softcap, replace and window for the kernels / the reference, only when on: calls without
-    them stay as they were. ``whole``: a window-periodic replace mask repeated to (B, ...) (the
-    reference)."""
+           period: Optional[int] = None, window: int = 0, chunk: int = 0,
+           documents: Optional[Tensor] = None) -> dict:
+    """softcap, replace, window, chunk and documents for the kernels / the reference, only when
+    on: calls without them stay as they were. ``whole``: a window-periodic replace mask repeated
+    to (B, ...) (the reference)."""
     extra = {"softcap": softcap} if softcap else {}
     if window:
         extra["window"] = window
     if chunk:
         extra["chunk"] = chunk
+    if documents is not None:
+        extra["documents"] = documents
     if replace is not None:
         extra["replace"] = (whole_bias if whole else bias_4d)(replace, q, k, period)
     return extra
@@ -209,10 +220,12 @@ def _extra(softcap: float, replace: Optional[Tensor], q: Tensor, k: Tensor, whol
 
 def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], is_causal: bool, scale: float,
                  dropout_p: float = 0.0, dropout_seed: Optional[Tensor] = None, softcap: float = 0.0,
-                 replace: Optional[Tensor] = None, window: int = 0, need_lse: bool = True, chunk: int = 0):
+                 replace: Optional[Tensor] = None, window: int = 0, need_lse: bool = True, chunk: int = 0,
+                 documents: Optional[Tensor] = None):
     """The op's computation (also the second half of `rope_attention`'s unfused path)."""
     bias = bias_4d(attn_bias, q, k)
-    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q), window=window, chunk=chunk)
+    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q), window=window, chunk=chunk,
+                   documents=documents)
     if _runs_kernel(q, v):
         if not need_lse:
             extra["need_lse"] = False
@@ -222,7 +235,7 @@ def forward_impl(q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor], i
     if period_of(attn_bias, q) is not None:  # the reference reads (B, ...) biases
         bias = whole_bias(attn_bias, q, k)
         extra = _extra(softcap, replace, q, k, whole=True, period=period_of(attn_bias, q), window=window,
-                       chunk=chunk)
+                       chunk=chunk, documents=documents)
     out, lse = reference.attention_forward(q, k, v, bias, is_causal, scale, dropout_p, dropout_seed, **extra)
     return out.transpose(1, 2).contiguous().transpose(1, 2), lse  # the kernels' layout
 
@@ -235,11 +248,12 @@ def empty_out(q: Tensor, v: Tensor) -> Tensor:
 
 @torch.library.register_fake("fuse_plugin::attention", lib=_LIB)
 def _(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0, replace=None, window=0,
-      need_lse=True, chunk=0):
+      need_lse=True, chunk=0, documents=None):
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
     check_window(window, is_causal)
     check_chunk(chunk, is_causal, window)
+    check_documents(documents, q, k, window, chunk)
     check_bias(attn_bias, q, k)
     check_replace(replace, attn_bias, q, k)
     b, hq, lq, _ = q.shape
@@ -250,21 +264,23 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias:
                        out: Tensor, lse: Tensor, dropout_p: float, is_causal: bool, scale: float,
                        dropout_seed: Optional[Tensor], need_dbias: bool, softcap: float = 0.0,
                        replace: Optional[Tensor] = None, window: int = 0,
-                       chunk: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                       chunk: int = 0, documents: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns dq, dk, dv and dbias (attn_bias's shape and dtype; an empty tensor unless need_dbias)."""
     check_dropout(dropout_p, dropout_seed, q)
     check_softcap(softcap)
     check_window(window, is_causal)
     check_chunk(chunk, is_causal, window)
+    check_documents(documents, q, k, window, chunk)
     check_replace(replace, attn_bias, q, k)
     return backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p, dropout_seed,
-                         softcap, replace, window, chunk)
+                         softcap, replace, window, chunk, documents)
 
 
 def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbias, dropout_p=0.0, dropout_seed=None,
-                  softcap=0.0, replace=None, window=0, chunk=0):
+                  softcap=0.0, replace=None, window=0, chunk=0, documents=None):
     bias = bias_4d(attn_bias, q, k)
-    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q), window=window, chunk=chunk)
+    extra = _extra(softcap, replace, q, k, period=period_of(attn_bias, q), window=window, chunk=chunk,
+                   documents=documents)
     if _runs_kernel(q, v):
         dq, dk, dv, ds = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
@@ -274,7 +290,7 @@ def backward_impl(dout, q, k, v, attn_bias, out, lse, is_causal, scale, need_dbi
         if period_of(attn_bias, q) is not None:  # the reference reads (B, ...) biases
             bias = whole_bias(attn_bias, q, k)
             extra = _extra(softcap, replace, q, k, whole=True, period=period_of(attn_bias, q), window=window,
-                           chunk=chunk)
+                           chunk=chunk, documents=documents)
         dq, dk, dv, ds = reference.attention_backward(
             dout, q, k, v, bias, is_causal, scale, need_dbias, dropout_p, dropout_seed, **extra
         )
@@ -298,19 +314,20 @@ def reduce_dbias(ds: Optional[Tensor], attn_bias: Optional[Tensor], q: Tensor, n
 
 @torch.library.register_fake("fuse_plugin::attention_backward", lib=_LIB)
 def _(dout, q, k, v, attn_bias, out, lse, dropout_p, is_causal, scale, dropout_seed, need_dbias, softcap=0.0,
-      replace=None, window=0, chunk=0):
+      replace=None, window=0, chunk=0, documents=None):
     check_softcap(softcap)
     check_window(window, is_causal)
     check_chunk(chunk, is_causal, window)
+    check_documents(documents, q, k, window, chunk)
     check_replace(replace, attn_bias, q, k)
     dbias = attn_bias.new_empty(attn_bias.shape) if need_dbias else q.new_empty((0,))
     return layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype), dbias
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace, window, chunk = inputs
+    q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace, window, chunk, documents = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, attn_bias, out, lse, dropout_seed, replace)
+    ctx.save_for_backward(q, k, v, attn_bias, out, lse, dropout_seed, replace, documents)
     ctx.dropout_p, ctx.is_causal, ctx.scale, ctx.softcap = dropout_p, is_causal, scale, softcap
     ctx.window, ctx.chunk = window, chunk
     ctx.mark_non_differentiable(lse)
@@ -318,18 +335,19 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, attn_bias, out, lse, dropout_seed, replace = ctx.saved_tensors
+    q, k, v, attn_bias, out, lse, dropout_seed, replace, documents = ctx.saved_tensors
     if dout is None:
-        return (None,) * 12
+        return (None,) * 13
     need_dbias = attn_bias is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dbias = torch.ops.fuse_plugin.attention_backward.default(
         dout, q, k, v, attn_bias, out, lse, ctx.dropout_p, ctx.is_causal, ctx.scale, dropout_seed, need_dbias,
-        **_tail(ctx.softcap, replace, ctx.window, chunk=ctx.chunk))
-    return (dq, dk, dv, (dbias if need_dbias else None)) + (None,) * 8
+        **_tail(ctx.softcap, replace, ctx.window, chunk=ctx.chunk, documents=documents))
+    return (dq, dk, dv, (dbias if need_dbias else None)) + (None,) * 9
 
 
-def _tail(softcap: float, replace: Optional[Tensor], window: int = 0, need_lse: bool = True, chunk: int = 0) -> dict:
-    """The trailing (softcap, replace, window, need_lse, chunk) arguments of a call, as keywords,
+def _tail(softcap: float, replace: Optional[Tensor], window: int = 0, need_lse: bool = True, chunk: int = 0,
+          documents: Optional[Tensor] = None) -> dict:
+    """The trailing (softcap, replace, window, need_lse, chunk, documents) arguments of a call, as keywords,
     only those that are not their default, so that graphs without them keep the op's old call.
     (need_lse is the forward's alone.)"""
     tail: dict = {}
@@ -343,19 +361,22 @@ def _tail(softcap: float, replace: Optional[Tensor], window: int = 0, need_lse: 
         tail["need_lse"] = False
     if chunk:
         tail["chunk"] = chunk
+    if documents is not None:
+        tail["documents"] = documents
     return tail
 
 
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace, window, chunk):
+    def forward(ctx, q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace, window, chunk,
+                documents):
         # (no need_lse: the backward reads the lse)
         with torch._C._AutoDispatchBelowAutograd():
             out, lse = torch.ops.fuse_plugin.attention.default(
                 q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed,
-                **_tail(softcap, replace, window, chunk=chunk))
+                **_tail(softcap, replace, window, chunk=chunk, documents=documents))
         _setup_context(ctx, (q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed, softcap, replace,
-                             window, chunk), (out, lse))
+                             window, chunk, documents), (out, lse))
         return out, lse
 
     @staticmethod
@@ -364,15 +385,16 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 def _attention_autograd(q, k, v, attn_bias, dropout_p, is_causal, scale, dropout_seed=None, softcap=0.0,
-                        replace=None, window=0, need_lse=True, chunk=0):
+                        replace=None, window=0, need_lse=True, chunk=0, documents=None):
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             attn_bias is not None and attn_bias.requires_grad)):
         return _AttentionFunction.apply(q, k, v, attn_bias, dropout_p, is_causal, scale,
-                                        dropout_seed, softcap, replace, window, chunk)
+                                        dropout_seed, softcap, replace, window, chunk, documents)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.fuse_plugin.attention.default(q, k, v, attn_bias, dropout_p, is_causal,
                                                        scale, dropout_seed,
-                                                       **_tail(softcap, replace, window, need_lse, chunk))
+                                                       **_tail(softcap, replace, window, need_lse, chunk,
+                                                               documents))
 
 
 _dispatch.register_with_backward(_LIB, "attention", attention, _attention_autograd, attention_backward)

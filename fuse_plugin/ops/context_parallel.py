@@ -275,7 +275,8 @@ def _check_ring_arguments(op: str, values: dict, mesh) -> None:
                            ("dropout_p", bool(values.get("dropout_p")), "dropout is not drawn across shards"),
                            ("softcap", bool(values.get("softcap")), "the ring takes no softcap yet"),
                            ("window", bool(values.get("window")), "the ring takes no sliding window on DTensors yet"),
-                           ("chunk", bool(values.get("chunk")), "the ring takes no chunks")):
+                           ("chunk", bool(values.get("chunk")), "the ring takes no chunks"),
+                           ("documents", values.get("documents") is not None, "the ring takes no documents")):
         if on:
             raise _refuse(op, values, f"{name}={_say(values[name])}{placed(name)} is given ({what})")
     q, k = values["q"], values["k"]
@@ -676,7 +677,8 @@ def _check_site(node, values: dict, state: ContextParallelState) -> None:
                            ("replace", values.get("replace") is not None, "a replace mask"),
                            ("dropout_p", bool(values.get("dropout_p")), "dropout"),
                            ("softcap", bool(values.get("softcap")), "a softcap"),
-                           ("chunk", bool(values.get("chunk")), "chunked attention")):
+                           ("chunk", bool(values.get("chunk")), "chunked attention"),
+                           ("documents", values.get("documents") is not None, "documents")):
         if on:
             raise _site_refusal(node, values, f"the site has {what} ({name}={_say(_value(values[name]))})")
     q, k = _value(values["q"]), _value(values["k"])

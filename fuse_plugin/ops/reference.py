@@ -44,6 +44,12 @@ def causal_keep(lq: int, lk: int, device: torch.device, window: int = 0, chunk: 
     return keep.triu(1 - window) if window else keep
 
 
+def same_document(documents: Tensor) -> Tensor:
+    """(B or 1, 1, L, L) bool, True where key j is in query i's document: documents[b, i] ==
+    documents[b, j] (the op's documents, integer ids (B or 1, L))."""
+    return (documents[:, :, None] == documents[:, None, :]).unsqueeze(1)
+
+
 def softcapped(s: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
     """(c·tanh(s/c), tanh(s/c)) for softcap c > 0 (Gemma 2, Grok); (s, None) for c = 0 (off)."""
     if not softcap:
@@ -54,13 +60,15 @@ def softcapped(s: Tensor, softcap: float) -> tuple[Tensor, Tensor | None]:
 
 def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
                     softcap: float = 0.0, with_tanh: bool = False, replace: Tensor | None = None,
-                    window: int = 0, chunk: int = 0):
+                    window: int = 0, chunk: int = 0, documents: Tensor | None = None):
     """Softmax weights P (B, Hkv, G, Lq, Lk) in the compute dtype and lse (B, Hq, Lq); with
     `with_tanh` also tanh(s/c) (B, Hq, Lq, Lk) of the softcap (None without one). The softcap
     acts on the scaled scores, before the bias and the masks: c·tanh(q·kᵀ·scale / c) + bias.
     `replace` (bool, broadcastable to (B, Hq, Lq, Lk), with a float bias): where True the score is
     the bias alone, where(replace, bias, s + bias). `window` (with is_causal): key j visible to
-    query i iff i - window < j <= i; `chunk` (with is_causal): iff j // chunk == i // chunk, j <= i."""
+    query i iff i - window < j <= i; `chunk` (with is_causal): iff j // chunk == i // chunk, j <= i;
+    `documents` (ids (B or 1, L), Lq == Lk; with or without is_causal): iff documents[b, i] ==
+    documents[b, j], masked with -inf after the bias as the causal mask."""
     ct = compute_dtype(q, k, bias)
     b, hq, lq, _ = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -77,6 +85,8 @@ def attention_probs(q: Tensor, k: Tensor, bias: Tensor | None, is_causal: bool, 
             s = s + bias.to(ct)
     if is_causal:
         s = s.masked_fill(~causal_keep(lq, lk, q.device, window, chunk), float("-inf"))
+    if documents is not None:
+        s = s.masked_fill(~same_document(documents), float("-inf"))
     # softmax, not exp(s - lse): a row whose scores all sit near finfo.min (a padding mask over the
     # whole row) has lse == max in float32, and eager gives uniform weights there. A row masked
     # everywhere with -inf gives NaN, as eager.
@@ -150,8 +160,10 @@ def _with_sinks(p: Tensor, lse: Tensor, sinks: Tensor, g: int) -> tuple[Tensor, 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float,
                       dropout_p: float = 0.0, dropout_seed: Tensor | None = None,
                       softcap: float = 0.0, replace: Tensor | None = None,
-                      sinks: Tensor | None = None, window: int = 0, chunk: int = 0) -> tuple[Tensor, Tensor]:
-    p, lse = attention_probs(q, k, bias, is_causal, scale, softcap, replace=replace, window=window, chunk=chunk)
+                      sinks: Tensor | None = None, window: int = 0, chunk: int = 0,
+                      documents: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    p, lse = attention_probs(q, k, bias, is_causal, scale, softcap, replace=replace, window=window, chunk=chunk,
+                             documents=documents)
     if sinks is not None:
         p, lse = _with_sinks(p, lse, sinks, q.shape[1] // k.shape[1])
     p = _dropped(p, dropout_p, dropout_seed, tuple(lse.shape) + (k.shape[2],))
@@ -165,6 +177,7 @@ def attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, is_causal: bool, scale: float, need_dbias: bool,
     dropout_p: float = 0.0, dropout_seed: Tensor | None = None, softcap: float = 0.0,
     replace: Tensor | None = None, sinks: Tensor | None = None, window: int = 0, chunk: int = 0,
+    documents: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """dq, dk, dv (input dtypes) and dS (B, Hq, Lq, Lk) in the compute dtype when need_dbias
     (the gradient of the bias, i.e. of the final scores, also where `replace` holds; dq/dk get
@@ -172,7 +185,8 @@ def attention_backward(
     head's sink logit, dropped after it (ops/attention_sinks.py); then dsinks (Hq,) is returned
     fifth."""
     p, lse, t = attention_probs(q, k, bias, is_causal, scale, softcap, with_tanh=True,
-                                replace=replace, window=window, chunk=chunk)  # (B, Hkv, G, Lq, Lk)
+                                replace=replace, window=window, chunk=chunk,
+                                documents=documents)  # (B, Hkv, G, Lq, Lk)
     dead = p.isnan().all(-1, keepdim=True)  # (not lse == -inf: lse also overflows there for a float64
     # row biased by float64's finfo.min, whose weights are uniform)
     ct = p.dtype

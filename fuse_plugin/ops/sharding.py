@@ -22,6 +22,8 @@ That is right only for some placements; these are the ones each op takes, on eve
     these placements takes it as it is (it is one of the cache key's non-tensor arguments).
     replace (attention, attention_backward): a bool mask broadcast to the scores like attn_bias,
     and placed like it (Shard on the batch / head dim it holds, else Replicate).
+    documents (attention, attention_backward): ids (B, L) or (1, L), Shard(0) with a batch shard
+    where they hold the batch, else Replicate (every head reads the same ids).
   sequence (attention, attention_backward only): q, k, v (dout, out, lse) all Shard(2) on a 1-D
     mesh, no bias / dropout / softcap / replace / window: not a rule but DTensor custom handlers
     (ops/context_parallel.py, registered here) that run ring attention over the shards
@@ -102,7 +104,9 @@ class _Rule:
                the lead on a dim they hold (size > 1), Replicate where they broadcast (size 1 or
                absent);
       "scalar" a seed: always Replicate;
-      "heads"  a 1-D tensor over the q heads (sinks): Shard(0) with the heads, else Replicate.
+      "heads"  a 1-D tensor over the q heads (sinks): Shard(0) with the heads, else Replicate;
+      "rows"   a (B, L) tensor over the batch (documents): Shard(0) with the batch where it holds
+               it (B > 1), else Replicate.
 
     A mesh dim's mode is None (replicated) or a frame dim as a negative index. Attention-like ops
     (`frame` = 4: the (B, H, L, D) frame) shard at -4 (batch) or -3 (heads); their "main" tensors
@@ -200,6 +204,8 @@ class _Rule:
             return Replicate()
         if role == "heads":
             return Shard(0) if mode == 1 - self.frame else Replicate()
+        if role == "rows":
+            return Shard(0) if mode == -self.frame and spec.shape[0] > 1 else Replicate()
         if role == "main":
             return Shard((self.frame if self.frame is not None else spec.ndim) + mode)
         return Shard(spec.ndim + mode) if _holds(spec, mode) else Replicate()
@@ -326,12 +332,13 @@ def _arg_names(op) -> list[str]:
 def _rules() -> dict[str, _Rule]:
     attn = dict(q="main", k="main", v="main", attn_bias="bcast", dropout_seed="scalar", replace="bcast")
     rope = dict(attn, cos="bcast", sin="bcast")
+    docs = dict(attn, documents="rows")  # (attention and its backward only)
     bwd = dict(dout="main", out="main", lse="main")
     qkv = ("q", "k", "v")
     rot = dict(cos="bcast", sin="bcast")
     specs = {  # name: (roles, lead, outputs, frame, head args, dropout arg)
-        "attention": (attn, "q", _attention_outputs, 4, qkv, "dropout_p"),
-        "attention_backward": (dict(attn, **bwd), "q", _attention_backward_outputs, 4, qkv, "dropout_p"),
+        "attention": (docs, "q", _attention_outputs, 4, qkv, "dropout_p"),
+        "attention_backward": (dict(docs, **bwd), "q", _attention_backward_outputs, 4, qkv, "dropout_p"),
         "attention_sinks": (dict(attn, sinks="heads"), "q", _attention_outputs, 4, qkv, "dropout_p"),
         "attention_sinks_backward": (dict(attn, sinks="heads", **bwd), "q", _sinks_backward_outputs, 4, qkv,
                                      "dropout_p"),

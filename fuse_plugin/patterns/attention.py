@@ -140,6 +140,7 @@ class AttentionSite:
     window: int = 0  # a causal sliding window proven from the masks (the op's window; mask_structure.py)
     chunk: int = 0  # causal chunks proven from the masks (the op's chunk; Llama 4's chunked attention)
     kv_repeated: bool = False  # an SDPA call's k/v were repeated for GQA before it (HF's repeat_kv)
+    documents: Optional[fx.Node] = None  # document ids proven from the masks, (L,) or (B, L) (the op's documents)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -693,7 +694,8 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     o = _one_dtype(o, (sc.product, ws.pv))
     if isinstance(o, str):
         return o
-    masks = _masks(sc, carry, sizes, chunks=form is None)  # (the sinks op takes no chunks: they stay a bias)
+    # (the sinks op takes no chunks or documents: they stay a bias; documents on 4-D scores only)
+    masks = _masks(sc, carry, sizes, chunks=form is None, documents=form is None and sc.rank == 4)
     if isinstance(masks, str):
         return masks
     if sc.rank == 5 and (masks.bias_parts or masks.carry.carried):
@@ -704,6 +706,8 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     k, v, groups = kv
     scale_nodes = o.runtime_scale + masks.scale_nodes
     inputs = [o.q.node, k.node, v.node] + [n for n, _ in scale_nodes] + [_part_node(p) for p in masks.bias_parts]
+    if masks.documents is not None:
+        inputs.append(masks.documents)
     if form is not None:
         inputs.append(form.sinks)
     matched = _site_nodes(sc, softmax, ws, inputs, form.nodes if form is not None else ())
@@ -719,6 +723,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
         out_ops=o.out_ops, matched=matched, notes=masks.notes, dropout_p=ws.dropout_p,
         safe=call_of(softmax).name == "safe_softmax", carried=masks.carry.carried, period=masks.carry.period,
         cast=o.cast, sinks=form.sinks if form is not None else None, window=masks.window, chunk=masks.chunk,
+        documents=masks.documents,
     )
 
 
@@ -1100,10 +1105,12 @@ class _Masks:
     notes: list
     window: int
     chunk: int
+    documents: Optional[fx.Node]
     carry: _Carry
 
 
-def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes, chunks: bool = True) -> Union[_Masks, str]:
+def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes, chunks: bool = True,
+           documents: bool = True) -> Union[_Masks, str]:
     """The chain's masks read (attention_bias.read_masks, causal_or_bias), or why not. A
     window-periodic carry that another mask does not fit (one per image) is redone whole."""
     r = _read_masks(carry, sc.canonical, sizes)
@@ -1114,7 +1121,8 @@ def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes, chunks: bool = True) -
         r = _read_masks(carry, sc.canonical, sizes)
     if isinstance(r, str):
         return r
-    r2 = causal_or_bias(r, chunks)
+    # (documents only from masks of the scores' own region: not carried across batch views)
+    r2 = causal_or_bias(r, chunks, documents and carry.period is None and not carry.carried)
     if isinstance(r2, str):
         return r2
     return _Masks(r.scale, r.scale_nodes, *r2, carry)
@@ -1208,6 +1216,8 @@ def why_not_sdpa(site: AttentionSite) -> Optional[str]:
         return "a sliding window (SDPA takes one only as a dense mask, which our op skips)"
     if site.chunk:
         return "chunks (SDPA takes them only as a dense mask, which our op skips)"
+    if site.documents is not None:
+        return "documents (SDPA takes them only as a dense mask, which our op skips)"
     if any(isinstance(p, MaskFill) and p.value != -math.inf for p in site.bias_parts):
         return "a finite fill (the op's replace mask)"
     values = [site.q.value(), site.k.value()]
@@ -1306,6 +1316,9 @@ def _op_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, replaced) -> fx
         extra["window"] = site.window
     if site.chunk:  # causal chunks: likewise the key blocks outside each query's chunk
         extra["chunk"] = site.chunk
+    if site.documents is not None:  # ids (L,) or (B, L): the key blocks outside each query block's documents
+        docs = site.documents
+        extra["documents"] = b.method("unsqueeze", docs, 0) if len(shape(docs)) == 1 else docs
     if not site.safe and not choice.needs_grad(site):
         # inference: no backward reads the lse (under autograd the op computes it regardless)
         extra["need_lse"] = False

@@ -56,7 +56,7 @@ from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, ca
                           is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
 from .mask_structure import notes as structure_notes
-from .mask_structure import band_of
+from .mask_structure import band_of, documents_arg
 from .writes import written_since
 
 dtype_of = dtype  # (build_bias has a `dtype` argument)
@@ -212,9 +212,10 @@ def _finite_fill(p: MaskPart) -> bool:
     return isinstance(p, MaskFill) and p.value != -math.inf
 
 
-def causal_or_bias(m: ScoreMasks, chunks: bool = True) -> Union[tuple[list, bool, str, list, int, int], str]:
+def causal_or_bias(m: ScoreMasks, chunks: bool = True,
+                   documents: bool = True) -> Union[tuple[list, bool, str, list, int, int, Any], str]:
     """(the parts left for the bias, is_causal, how the causal mask was found, notes, window,
-    chunk), or why the chain is refused.
+    chunk, documents: the id node or None), or why the chain is refused.
 
     A causal part becomes is_causal (the op's -inf causal masking, applied after the bias) only
     where that keeps eager's value of every score it hides:
@@ -236,7 +237,15 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True) -> Union[tuple[list, bool
     key blocks the window hides instead of reading them from a bias. Chunks beside it
     (mask_structure.chunk_of: the part keeps exactly i // C == j // C; Llama 4) become the op's
     ``chunk`` by the same argument (every row keeps its own key: i // C == i // C); not with
-    ``chunks`` False (the sinks op takes none: they stay in the bias, as other masks)."""
+    ``chunks`` False (the sinks op takes none: they stay in the bias, as other masks).
+
+    Documents (mask_structure.documents_arg: the part keeps exactly doc[i] == doc[j], ids (L,) or
+    (B, L)) become the op's ``documents`` (the kernels mask them with -inf after the bias and skip
+    the key blocks outside each query block's documents) where no band was taken and
+    (``_documents``) either they are the only mask besides a causal one, Lq == Lk (every row keeps
+    its own key under both, so fill values change nothing), or the part fills -inf and no other
+    part (causal ones included) has a finite fill; not with ``documents`` False (the sinks op
+    takes none, a site whose scores are not 4-D)."""
     causal = [p for p in m.split if isinstance(p, CausalPart)]
     rest = [p for p in m.split if not isinstance(p, CausalPart)]
     parts, is_causal, source, notes, window = m.raw, False, "", [], 0
@@ -256,7 +265,21 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True) -> Union[tuple[list, bool
     elif causal:
         notes.append(f"causal mask ({causal[0].source}) kept in the bias with its own values: "
                      "is_causal's -inf masking would change rows masked everywhere")
-    chunk = 0
+    chunk, docs = 0, None
+    if not window and documents:
+        taken = _documents(m, rest, memo)
+        if taken is not None:
+            part, (docs, with_causal) = taken
+            parts = [p for p in (rest if is_causal or not causal else m.split) if p is not part]
+            if not is_causal and causal:  # (only when the documents are the one other part: exact)
+                parts, is_causal, source = [], True, causal[0].source
+                notes = [n for n in notes if not n.startswith("causal mask (")]
+            elif not is_causal and with_causal:  # the causal mask ANDed into the part: exact likewise
+                is_causal, source = True, with_causal
+            notes.append(f"documents (ids from {docs.name}: query i sees keys j with doc[j] == doc[i]), passed to "
+                         "the op: the kernels skip the key blocks outside each query block's documents")
+            notes += structure_notes([p for p in rest if p is not part])
+            return parts, is_causal, source, notes, 0, 0, docs
     if window:
         part = windows[0][0]
         kind, window = window
@@ -270,7 +293,28 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True) -> Union[tuple[list, bool
         notes += structure_notes([p for p in rest if p is not part])
     else:
         notes += structure_notes(rest)
-    return parts, is_causal, source, notes, window, chunk
+    return parts, is_causal, source, notes, window, chunk, None
+
+
+def _documents(m: ScoreMasks, rest: list, memo: dict) -> Optional[tuple]:
+    """(the part, (the id node, the causal source of a part that ANDs documents with the causal
+    mask, or None)) of a documents mask the op can take (``causal_or_bias``), else None: one such
+    part among the non-causal ones, and either it is the only one (with Lq == Lk: every row keeps
+    its own key under the documents and the causal mask, so no fill value matters) or it fills
+    -inf and no other part fills a finite value (the hidden scores stay -inf whatever comes
+    after, as with the op's -inf masking after the bias)."""
+    found = [(p, documents_arg(p, memo, m.lq, m.lk)) for p in rest]
+    found = [(p, d) for p, d in found if d is not None]
+    if len(found) != 1:
+        return None
+    part = found[0][0]
+    if len(rest) == 1 and known_equal(m.lq, m.lk):
+        return found[0]
+    finite = [p for p in m.split if p is not part and (
+        _finite_fill(p) or (isinstance(p, CausalPart) and p.value != -math.inf))]
+    if part.value == -math.inf and not finite:
+        return found[0]
+    return None
 
 
 def _rows_keep_own_key(lq, lk) -> bool:

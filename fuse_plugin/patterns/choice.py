@@ -113,7 +113,7 @@ def class_of(site) -> tuple[Optional[str], str, torch.device]:
 def ours_time(times: dict, mode: str, band: bool = False) -> Optional[tuple[float, str]]:
     """(microseconds, families) of our op for a class: the forward's fastest family, and in
     training plus the backward's fastest (the launchers choose each direction on its own).
-    ``band``: the site has a sliding window or chunks, which only some families run
+    ``band``: the site has a sliding window, chunks or documents, which only some families run
     (registry's ``takes_window``); the class is the causal one, and those families' causal time
     is an upper bound of the band's (its key blocks are a subset)."""
     fwd, bwd = times.get("fwd", {}), times.get("bwd", {})
@@ -136,7 +136,7 @@ def _band_families(times: dict, direction: str) -> dict:
 
 
 def _band(site) -> bool:
-    return bool(getattr(site, "window", 0) or getattr(site, "chunk", 0))
+    return bool(getattr(site, "window", 0) or getattr(site, "chunk", 0) or getattr(site, "documents", None) is not None)
 
 
 def decide(site) -> Decision:

@@ -8,11 +8,11 @@ is, for every size, or None:
     documents_of  keeps exactly doc[..., i] == doc[..., j] for an integer tensor doc (sequences
                   packed in one row, each attending to itself: torchtitan, TRL packing)
 
-A window beside a causal mask becomes the op's ``window`` argument, chunks beside one its ``chunk``
+A window beside a causal mask becomes the op's ``window`` argument, chunks beside one its ``chunk``,
+documents (with or without a causal mask; ids (L,) or (B, L), ``documents_arg``) its ``documents``
 (attention_bias.causal_or_bias, where that keeps eager's values); the kernels then skip the key
 blocks they hide. `notes(parts)` names every structure left among the bias's parts, for explain:
-documents always (no kernel takes them yet), a window or chunks where they could not become the
-op's argument.
+a window, chunks or documents where they could not become the op's argument.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from typing import Any, Optional
 import torch
 from torch import fx
 
-from .canon import call_of, dtype, is_identity, shape, written
-from .causal_mask import Affine, Select, abstract_value, causal_source, constant_number
+from .canon import call_of, dtype, is_identity, known_equal, shape, written
+from .causal_mask import Affine, Select, abstract_value, causal_source, constant_number, is_causal_mask
 
 
 def _is_keep_mask(p) -> bool:
@@ -58,7 +58,14 @@ def _keep_node(p) -> tuple:
     """(node, keep): the part's mask followed down through what does not change its values along
     the last two dims (expand, contiguous / clone / identity casts, size-1 dims added in front of
     them) and through negations; keep: True where node's True values are the kept scores."""
-    node, keep = p.mask, not p.masked_when
+    node, keep, _ = _keep_walk(p)
+    return node, keep
+
+
+def _keep_walk(p) -> tuple:
+    """``_keep_node`` and the size-1 dims inserted on the way, [pos] from the mask down (each pos
+    counted from the right of the tensor it was inserted into)."""
+    node, keep, inserted = p.mask, not p.masked_when, []
     while isinstance(node, fx.Node) and not written(node):
         c = call_of(node)
         if c is None:
@@ -72,7 +79,8 @@ def _keep_node(p) -> tuple:
             if lifted is None:
                 break
             node = lifted[0]
-    return node, keep
+            inserted.append(lifted[1])
+    return node, keep, inserted
 
 
 def _eq_operands(p) -> Optional[tuple]:
@@ -156,6 +164,12 @@ def documents_of(p, memo: dict) -> Optional[fx.Node]:
     ops = _eq_operands(p)
     if ops is None:
         return None
+    return _ids_compared(ops)
+
+
+def _ids_compared(ops: tuple) -> Optional[fx.Node]:
+    """doc when the eq's operands ``ops`` are one integer tensor lifted along the keys and along the
+    queries (doc[..., :, None], doc[..., None, :] in either order), else None."""
     lifted = [_unit_inserted(x) for x in ops]
     if None in lifted or lifted[0][0] is not lifted[1][0] or {lifted[0][1], lifted[1][1]} != {-1, -2}:
         return None
@@ -164,6 +178,42 @@ def documents_of(p, memo: dict) -> Optional[fx.Node]:
     if dt is None or dt.is_floating_point or dt.is_complex or dt == torch.bool or not shape(doc):
         return None
     return doc
+
+
+def documents_arg(p, memo: dict, lq, lk) -> Optional[tuple]:
+    """(ids, causal source or None): the id tensor the op can take as its ``documents`` for a part
+    that keeps exactly doc[i] == doc[j] (``documents_of``), or that AND the top-left causal mask
+    (one ``and`` of the two under the same lifts: then how the causal mask was proven); else None
+    (the part then stays in the bias). Ids (L,) (one row for every batch) or (B', L), L the query
+    and the key length, and a 2-D one's rows along the scores' batch dim (dim -4 of the mask as it
+    meets the 4-D scores: eager broadcasts right-aligned, so (B', L, L) unlifted would meet the
+    heads) unless B' is 1. Strict: any other form keeps the bias."""
+    if not _is_keep_mask(p):
+        return None
+    node, keep, inserted = _keep_walk(p)
+    c = call_of(node) if isinstance(node, fx.Node) and keep else None
+    causal = None
+    if c is not None and c.name == "and" and not written(node):
+        for eq, other in ((c["input"], c["other"]), (c["other"], c["input"])):
+            if isinstance(other, fx.Node) and is_causal_mask(other, "keep", lq, lk):
+                c, causal = call_of(eq) if isinstance(eq, fx.Node) else None, causal_source(other)
+                break
+    if c is None or c.name != "eq" or not isinstance(c["other"], fx.Node):
+        return None
+    doc = _ids_compared((c["input"], c["other"]))
+    s = shape(doc) if doc is not None else None
+    ms = shape(p.mask)
+    if s is None or ms is None or len(ms) > 4 or len(s) not in (1, 2):
+        return None
+    if not (known_equal(s[-1], lq) and known_equal(s[-1], lk)):
+        return None
+    if len(s) == 2 and not known_equal(s[0], 1):
+        where = -3  # the rows' dim in the eq (and the and), (B', L, L)
+        for pos in reversed(inserted):  # the size-1 dims inserted above it, bottom up
+            where -= where <= pos
+        if where != -4:
+            return None
+    return doc, causal
 
 
 def band_of(p, memo: dict) -> Optional[tuple]:
@@ -194,5 +244,6 @@ def notes(parts: list) -> list[str]:
         if doc is not None:
             found.append(f"documents (ids from {doc.name}: query i sees keys j with doc[j] == doc[i])")
     why = {"chunks": ": the op takes chunks beside a causal mask, and not with sinks",
-           "documents": ": the kernels take no documents yet"}
+           "documents": (": the op takes documents of ids (L,) or (B, L), alone or beside masks that fill -inf, not "
+                         "beside a window, chunks or sinks")}
     return [f"{what}, kept in the bias" + why.get(what.split(" ")[0], "") for what in found]

@@ -160,6 +160,8 @@ def match(attention: fx.Node) -> Union[RopeSite, str, None]:
         return "the attention has a replace mask (a finite fill), which rope_attention does not take"
     if attention.kwargs.get("chunk"):
         return "the attention is chunked, which rope_attention does not take"
+    if attention.kwargs.get("documents") is not None:
+        return "the attention has documents, which rope_attention does not take"
     if q is None or k is None:
         return f"only {'q' if k is None else 'k'} comes from a rotary op"
     if q_arg in attention.args[2:] or k_arg in attention.args[2:] or q_arg is k_arg:

@@ -82,8 +82,10 @@ def match_sdpa(node: fx.Node) -> Union[AttentionSite, str]:
     masks = _masks(c["attn_mask"], is_causal, (B, Hq, Lq, Lk), Lq, Lk)
     if isinstance(masks, str):
         return masks
-    bias_parts, is_causal, causal_note, notes, window, chunk = masks
+    bias_parts, is_causal, causal_note, notes, window, chunk, documents = masks
     inputs = [q.node, k.node, v.node] + [p.node if hasattr(p, "node") else p.mask for p in bias_parts]
+    if documents is not None:
+        inputs.append(documents)
     why = write_between(inputs, [node], node, graph_order(node.graph))  # read where the call stands
     if why is not None:
         return why
@@ -92,7 +94,8 @@ def match_sdpa(node: fx.Node) -> Union[AttentionSite, str]:
         scale=scale if scale is not None else 1.0 / math.sqrt(D), scale_nodes=[],
         bias_parts=bias_parts, is_causal=is_causal, causal_note=causal_note, kv_groups=groups,
         softcap=0.0, out_ops=(), matched=[node], notes=["an SDPA call"] + notes, dropout_p=dropout_p,
-        safe=bool(bias_parts), cast=cast, window=window, chunk=chunk, kv_repeated=repeated)
+        safe=bool(bias_parts), cast=cast, window=window, chunk=chunk, documents=documents,
+        kv_repeated=repeated)
 
 
 def _flags(c) -> Union[tuple, str]:
@@ -139,7 +142,7 @@ def _masks(mask: Any, is_causal: bool, scores: tuple, Lq, Lk) -> Union[tuple, st
     """(bias parts, is_causal, how causal was found, notes) of attn_mask (attention_bias), or why
     not. A bool mask is a keep mask (a -inf fill where False), a float one an additive term."""
     if mask is None:
-        return [], is_causal, "is_causal=True" if is_causal else "", [], 0, 0
+        return [], is_causal, "is_causal=True" if is_causal else "", [], 0, 0, None
     if is_causal:
         return "attn_mask and is_causal=True together (SDPA refuses them)"
     if not isinstance(mask, fx.Node) or dtype(mask) is None:

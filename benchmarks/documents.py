@@ -1,0 +1,123 @@
+"""Packed documents (issue 31; torchtitan / TRL packing): the document kernels' speed against causal attention
+scaled by the visible area, and against SDPA with the documents as a dense mask, plus a correctness check,
+on one GPU in one run (< 2 min).
+
+    python benchmarks/documents.py [--shapes 8192:8,32768:32] [--heads 16] [--out FILE.md]
+
+Problems: bf16, B 1, Hq = Hkv = --heads, D 128, causal, L tokens packed as N documents of equal length
+(`--shapes L:N`; ids 0..N-1 in runs: query i sees keys j with doc[j] == doc[i], j <= i), q/k/v contiguous.
+Per shape, forward and backward ms (device time under CUDA graphs: `do_bench_cudagraph` medians, the best
+of 2) of
+  causal-general  our launchers, causal, the general family forced (the kernels the documents run on)
+  documents       our launchers with documents=ids (the general family: the only one that takes them)
+  sdpa-mask       F.scaled_dot_product_attention with the (1, 1, L, L) bool mask (documents and causal):
+                  what the model ran before the rewrite passed documents (PyTorch's efficient kernel)
+The ideal: r = visible pairs with the documents / visible pairs causal; "vs ideal" = documents' fwd + bwd
+over r x causal-general's (issue 31 asks 1.25 for documents). "vs sdpa" = sdpa-mask's fwd + bwd over
+documents'. Before the timing, the op with documents and autograd at L 2048 (GQA 8/2; 5 documents of
+unequal lengths and one split in two places, so one span is a superset) against a float64 masked
+reference (out, dq, dk, dv; max abs error over the reference's max |x|, at most 2e-2). Prints the table
+last. Not yet run on a GPU (written without one: see NOTES.md, attempt 44).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton
+from common import emit
+
+import fuse_plugin  # noqa: F401  (registers torch.ops.fuse_plugin)
+from fuse_plugin.kernels import registry
+from fuse_plugin.kernels.attention import attention_backward, attention_forward
+
+
+def packed_ids(L: int, n: int, device) -> torch.Tensor:
+    """(1, L) ids of n documents of L // n tokens (the last takes the rest)."""
+    return (torch.arange(L, device=device) // (L // n)).clamp_max(n - 1)[None]
+
+
+def keep_mask(doc: torch.Tensor) -> torch.Tensor:
+    """(B, 1, L, L) bool: doc[j] == doc[i] and j <= i."""
+    L = doc.shape[-1]
+    causal = torch.ones(L, L, dtype=torch.bool, device=doc.device).tril()
+    return (doc[:, :, None] == doc[:, None, :])[:, None] & causal
+
+
+def timed(q, k, v, doc, family, bench) -> dict:
+    kw = dict(is_causal=True, scale=q.shape[-1] ** -0.5, **({"documents": doc} if doc is not None else {}))
+    with registry.forced(family):
+        out, lse = attention_forward(q, k, v, None, **kw)
+        dout = torch.randn_like(out)
+        return {"fwd": bench(lambda: attention_forward(q, k, v, None, **kw)),
+                "bwd": bench(lambda: attention_backward(dout, q, k, v, None, out, lse, need_dbias=False, **kw))}
+
+
+def timed_sdpa(q, k, v, mask, bench) -> dict:
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    dout = torch.randn_like(out)
+    fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    total = bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), (q, k, v), dout))
+    return {"fwd": fwd, "bwd": max(total - fwd, 0.0)}
+
+
+def check(L=2048, hq=8, hkv=2, D=128) -> dict:
+    torch.manual_seed(0)
+    doc = torch.repeat_interleave(torch.tensor([0, 1, 2, 3, 4, 1], device="cuda"),
+                                  torch.tensor([300, 500, 200, 400, 348, 300], device="cuda"))[None]
+    q = torch.randn(1, hq, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, hkv, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out, _ = torch.ops.fuse_plugin.attention(q, k, v, None, 0.0, True, D ** -0.5, documents=doc)
+    dout = torch.randn_like(out)
+    got = (out,) + torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    g = hq // hkv
+    s = (q64 @ k64.repeat_interleave(g, 1).transpose(-1, -2)) * D ** -0.5
+    out64 = torch.softmax(s.masked_fill(~keep_mask(doc), float("-inf")), -1) @ v64.repeat_interleave(g, 1)
+    want = (out64,) + torch.autograd.grad(out64, (q64, k64, v64), dout.double())
+    return {n: ((a.double() - b).abs().max() / b.abs().max()).item()
+            for n, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="8192:8,32768:32", help="L:documents, comma-separated")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    errs = check()
+    ok = all(e <= 2e-2 for e in errs.values())
+    print("check (L 2048, 6 runs of 5 documents, GQA 8/2, bf16 vs float64, max err / max |ref|):",
+          ", ".join(f"{n} {e:.1e}" for n, e in errs.items()), "PASS" if ok else "FAIL", flush=True)
+
+    def bench(fn):
+        return min(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") for _ in range(2))
+
+    lines = [f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16, B 1, H {args.heads}, D 128, "
+             "causal documents | device ms (CUDA graphs, median, best of 2)", "",
+             "| L | docs | causal-general fwd / bwd | documents fwd / bwd | sdpa-mask fwd / bwd | r (live / causal) "
+             "| vs ideal | vs sdpa |", "|---|---|---|---|---|---|---|---|"]
+    for shape in args.shapes.split(","):
+        L, n = (int(x) for x in shape.split(":"))
+        q, k, v = (torch.randn(1, args.heads, L, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        doc = packed_ids(L, n, "cuda")
+        mask = keep_mask(doc)
+        cg = timed(q, k, v, None, "general", bench)
+        dc = timed(q, k, v, doc, None, bench)
+        sd = timed_sdpa(q, k, v, mask, bench)
+        r = mask.sum().item() / (L * (L + 1) / 2)
+        vs = (dc["fwd"] + dc["bwd"]) / (r * (cg["fwd"] + cg["bwd"]))
+        vs_sdpa = (sd["fwd"] + sd["bwd"]) / (dc["fwd"] + dc["bwd"])
+        lines.append(f"| {L} | {n} | {cg['fwd']:.2f} / {cg['bwd']:.2f} | {dc['fwd']:.2f} / {dc['bwd']:.2f} | "
+                     f"{sd['fwd']:.2f} / {sd['bwd']:.2f} | {r:.3f} | {vs:.2f} | {vs_sdpa:.2f} |")
+        print(lines[-1], flush=True)
+        del mask
+    emit(lines, args.out)
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
