@@ -183,6 +183,26 @@ def attention_case(B, Hq, Hkv, L, D, dtype=torch.bfloat16, mask=None, need_dbias
     return trace(fn, q, k, v, dout, *extra)
 
 
+def sinks_case(window=128):
+    """gpt-oss's sink logits (attention_sinks and its backward; a sliding window): the general
+    forward folds the sinks in (its Sinks argument), the backward is the attention op's kernels and
+    the sinks' gradient torch math beside them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    q, dout = (fake(mode, 1, 16, 1000, 64) for _ in range(2))
+    k, v = (fake(mode, 1, 2, 1000, 64) for _ in range(2))
+    sinks = fake(mode, 16)
+
+    def fn(q, k, v, dout, sinks):
+        out, lse = OPS.attention_sinks(q, k, v, None, 0.0, True, 0.125, sinks, None, None, window)
+        grads = OPS.attention_sinks_backward(dout, q, k, v, None, out, lse, sinks, 0.0, True, 0.125, None,
+                                             False, None, window)
+        return (out,) + tuple(g for g in grads if g.numel())
+
+    return trace(fn, q, k, v, dout, sinks)
+
+
 def small_case(p=0.0):
     """The small family (forced: by no rule of its own it is taken only where measured) on Swin's
     shifted windows: 8 windows of 49 tokens, 3 heads of 32, a window-periodic float bias
@@ -376,6 +396,8 @@ CASES = {
     # packed documents (issue 31): the same kernels, the ids' span table (sort, searchsorted: torch
     # ops Inductor compiles beside them) their "Docs" argument
     "documents": lambda: attention_case(2, 16, 4, 4000, 128, documents=True),
+    # gpt-oss's sinks, folded into the general forward (ops/attention_sinks.py)
+    "sinks": sinks_case,
     # BERT's attention (128 tokens: one key block): the one-launch backward
     "one_key_block": lambda: attention_case(32, 12, 12, 128, 64, mask="bool", p=0.1,
                                             is_causal=False),

@@ -66,19 +66,61 @@ def test_matches_float64_eager(kernels, causal):
     check_close("lse", lse, ref_lse, 1e-6)
 
 
-def test_rows_masked_everywhere_give_zero():
-    """Every key masked: the sink takes all the weight: out 0, lse = the sink, no NaN anywhere."""
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=needs_interpreter)])
+def test_rows_masked_everywhere_give_zero(kernels):
+    """Every key masked: the sink takes all the weight: out 0, lse = the sink, no NaN anywhere
+    (a bool mask: the kernels' log2 units, where the sink is converted)."""
     q, k, v, _, sinks = inputs(bias=False)
     keep = torch.ones(2, 1, 9, 9, dtype=torch.bool)
     keep[0, :, 3] = False
-    out, lse = OP(q, k, v, keep, 0.0, False, 0.25, sinks)
+    with cpu_kernels(kernels):
+        out, lse = OP(q, k, v, keep, 0.0, False, 0.25, sinks)
     assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
     check_close("lse", lse[0, :, 3], sinks.detach().view(4, 1).expand(4, 1).squeeze(1), 1e-6)
-    g = torch.autograd.grad(out.sum(), (q, k, v, sinks))
+    with cpu_kernels(kernels):
+        g = torch.autograd.grad(out.sum(), (q, k, v, sinks))
     assert all(torch.isfinite(t).all() for t in g)
     bias = torch.zeros(2, 1, 9, 9).masked_fill(~keep, float("-inf"))
     want = eager(q.double(), k.double(), v.double(), bias.double(), sinks.double(), 0.25)
     check_close("out", out, want, 1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", [0, 3])
+def test_kernels_without_a_bias_fold_the_sink(window):
+    """No bias (the kernels' fast unmasked blocks, log2 units), causal, a sliding window or not:
+    the forward kernel folds the sink into its softmax; out, lse and every gradient as float64."""
+    q, k, v, _, sinks = inputs(bias=False, Lq=40, Lk=40, seed=3)
+    dout = torch.randn(2, 4, 40, 16)
+    i, j = torch.arange(40)[:, None], torch.arange(40)[None]
+    keep = (j <= i) & ((j > i - window) if window else True)
+    bias = torch.zeros(40, 40).masked_fill(~keep, float("-inf")).double()
+    want = eager(q.double(), k.double(), v.double(), bias, sinks.double(), 0.25)
+    want_g = grads(want, dout.double(), (q, k, v, sinks))
+    with cpu_kernels("triton"):
+        out, lse = OP(q, k, v, None, 0.0, True, 0.25, sinks, None, None, window)
+        got_g = grads(out, dout, (q, k, v, sinks))
+    check_close("out", out, want, 1e-5)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got_g, want_g):
+        check_close(name, g, w, 1e-5)
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1)) * 0.25 + bias
+    check_close("lse", lse, torch.logaddexp(torch.logsumexp(s, -1), sinks.double().view(1, -1, 1)), 1e-6)
+
+
+def test_other_forward_families_take_no_sinks():
+    from fuse_plugin.kernels import registry
+    from fuse_plugin.kernels.call import AttentionCall
+
+    q, k, v, _, sinks = inputs(bias=False)
+    call = AttentionCall.forward(q.detach(), k.detach(), v.detach(), None, is_causal=True, scale=0.25,
+                                 sinks=sinks.detach())
+    reasons = registry.reasons(call)
+    assert reasons["general"] is None
+    others = {name: why for name, why in reasons.items() if name != "general"}
+    assert others and all("takes no sink logits" in why for why in others.values()), reasons
+    with pytest.raises(ValueError, match="sinks must be a floating"):
+        AttentionCall.forward(q.detach(), k.detach(), v.detach(), None, is_causal=True, scale=0.25,
+                              sinks=sinks.detach()[:2])
 
 
 def test_bad_sinks_are_rejected():

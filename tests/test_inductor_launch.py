@@ -100,6 +100,14 @@ def test_documents_become_kernel_launches(traced):
     assert set(case["cloned_inputs"]) <= {"attention_bwd_kernel.Docs"}
 
 
+def test_sinks_fold_into_the_forward_launch(traced):
+    """gpt-oss's sinks (ops/attention_sinks.py, with a sliding window): the general forward takes
+    them (no merge after it), the backward is the attention op's kernels; nothing opaque."""
+    case = traced["sinks"]
+    assert_fully_traced(case)
+    assert kernels(case) == [FWD, PRE, ATOMIC]
+
+
 def test_head_merge_is_a_view(traced):
     """The output is laid out (B, L, H, D) (ops/attention.py): a model's head merge
     (transpose + reshape) reads it in place, and the gradient arriving through that merge goes

@@ -175,7 +175,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=No
                       dropout_seed: Optional[torch.Tensor] = None, softcap: float = 0.0,
                       replace: Optional[torch.Tensor] = None, window: int = 0,
                       need_lse: bool = True, chunk: int = 0,
-                      documents: Optional[torch.Tensor] = None):
+                      documents: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None):
     """Returns ``(out, lse)``; see the module docstring for shapes and semantics.
 
     Args:
@@ -196,6 +196,9 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=No
             chunk, j // chunk == i // chunk, up to itself (0: none; the general family only).
         documents: integer ids (B, L) or (1, L) (Lq == Lk): query i sees the keys of its own
             document only (None: none; the general family only).
+        sinks: (Hq,) floating sink logits (gpt-oss; ops/attention_sinks.py): each one joins its
+            head's every row's softmax denominator, as a key whose value is 0 would (None: none;
+            the general family only, folded into its epilogue); lse then includes it.
         need_lse: False (inference: no backward will read it) lets a family that computes the
             logsumexp at a cost skip it (the efficient family; the Triton kernels write it
             anyway, cuDNN too: measured no faster without): the returned lse is then unspecified.
@@ -204,7 +207,8 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=No
     call = AttentionCall.forward(q, k, v, bias, is_causal=is_causal, scale=scale,
                                  config=_user_config(config), rope=rope, dropout_p=dropout_p,
                                  dropout_seed=dropout_seed, softcap=softcap, replace=replace,
-                                 window=window, need_lse=need_lse, chunk=chunk, documents=documents)
+                                 window=window, need_lse=need_lse, chunk=chunk, documents=documents,
+                                 sinks=sinks)
     if call.empty:
         B, Hq, Lq, _, _, _, Dv = call.sizes
         out = host.empty((B, Lq, Hq, Dv), q.dtype, q.device).transpose(1, 2)

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from .attention_tiles import (
     _LN2,
+    _LOG2E,
     _dot_acc,
     _dot_nt,
     _doc_key_blocks,
@@ -98,7 +99,7 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, Bias, Rep, Out, Lse, Cos, Sin, Docs,
+    Q, K, V, Bias, Rep, Out, Lse, Cos, Sin, Docs, Sinks,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -118,6 +119,7 @@ def attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
     D2: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
+    SINKS: tl.constexpr = False,
 ):
     # 1-D grid (a 2-D one would cap B*Hq at 65535 on the y axis). Query blocks of one head are
     # adjacent so they share K/V in L2; the last (causally heaviest) block is launched first.
@@ -201,6 +203,20 @@ def attention_fwd_kernel(
             IS_CAUSAL, BIAS_KIND, True, SCALE_POS, PRECISION, UPCAST_DOT, BLOCK_N,
             BIAS_KEYS, WINDOW, window, doc_base)
 
+    if SINKS:
+        # gpt-oss's sink (ops/attention_sinks.py): the head's logit (natural units, Sinks: (Hq,)
+        # fp32) joins every row's softmax denominator and nothing else; a row whose every key is
+        # masked then gets out 0 and lse = the sink.
+        sink = tl.load(Sinks + h).to(tl.float32)
+        if BIAS_KIND != 2:
+            sink = sink * _LOG2E  # the scores' units (see _scores)
+        m_new = tl.maximum(m_i, sink)
+        alpha = _exp(m_i - m_new, BIAS_KIND == 2)
+        l_i = l_i * alpha + _exp(sink - m_new, BIAS_KIND == 2)
+        acc0 = acc0 * alpha[:, None]
+        if DV1 != 0:
+            acc1 = acc1 * alpha[:, None]
+        m_i = m_new
     # A fully masked row has l_i == 0: 0/0 = NaN like eager softmax, and lse = -inf.
     inv_l = 1.0 / l_i
     if DROPOUT:

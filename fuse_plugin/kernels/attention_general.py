@@ -226,12 +226,13 @@ def run_forward(call, cfg: AttentionConfig, out_buf: torch.Tensor, lse: torch.Te
         check_tile_offsets(tiles + [("out", *out.stride()[2:], bm, dv0 + dv1)])
         launch(
             attention_fwd_kernel, (cdiv(Lq, bm) * B * Hq,),
-            **_inputs(call), Out=out_buf, Lse=lse,
+            **_inputs(call), Out=out_buf, Lse=lse, Sinks=call.sink_t,
             **_input_strides(call), **strides("o", out), **strides("l", lse, ROW_STATS),
             **_sizes(call), **_scores(call), **_dropout(call),
             SCALE_POS=bool(call.scale >= 0), DROPOUT=call.dropout, SOFTCAP=call.softcapped,
             **_common(call),
             BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **call.rc,
+            SINKS=call.sinks is not None,
             writes=("Out", "Lse"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             address_reads=_address_reads(call),
         )

@@ -154,6 +154,18 @@ def check_documents(documents: Optional[torch.Tensor], q, k, window: int = 0, ch
         raise ValueError(f"{what} with window={window} / chunk={chunk} (one band at a time)")
 
 
+def check_sink_logits(sinks: Optional[torch.Tensor], q) -> None:
+    """sinks: None, or one floating logit per query head, (Hq,), on q's device (the sinks op's
+    forward; ops/attention_sinks.py)."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or sinks.shape[0] != q.shape[1] \
+            or not sinks.dtype.is_floating_point or sinks.device != q.device:
+        raise ValueError(f"attention_forward: sinks must be a floating (Hq,) = ({q.shape[1]},) tensor on "
+                         f"{q.device}, got {getattr(sinks, 'dtype', type(sinks).__name__)} "
+                         f"{tuple(getattr(sinks, 'shape', ()))}")
+
+
 def document_ranges(documents: torch.Tensor) -> torch.Tensor:
     """The documents table the kernels read: (B', L, 2) int32 contiguous, row i = [lo, hi), the
     first position of i's document and one past its last (documents (B', L), any integer ids).
@@ -286,6 +298,7 @@ class AttentionCall:
     need_lse: bool = True  # forward: False lets a family skip the logsumexp (inference; lse unspecified)
     chunk: int = 0  # chunked attention (with is_causal): query i sees keys j, j // chunk == i // chunk, j <= i
     documents: Optional[torch.Tensor] = None  # ids (B or 1, L): query i sees keys j of its document
+    sinks: Optional[torch.Tensor] = None  # forward: (Hq,) sink logits joining each row's softmax (gpt-oss)
     # backward only
     dout: Optional[torch.Tensor] = None
     out: Optional[torch.Tensor] = None
@@ -318,21 +331,23 @@ class AttentionCall:
     rc: dict = field(default_factory=lambda: dict(NO_ROPE))
     doc_t: Any = None  # the documents table (document_ranges), q without documents (never read)
     doc_stride: int = 0  # its batch stride (0: one row for every batch, or none)
+    sink_t: Any = None  # the sinks in fp32, contiguous; q without sinks (never read)
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
     def forward(cls, q, k, v, bias, *, is_causal, scale, config=None, rope=None, dropout_p=0.0,
                 dropout_seed=None, softcap=0.0, replace=None, window=0,
-                need_lse=True, chunk=0, documents=None) -> "AttentionCall":
+                need_lse=True, chunk=0, documents=None, sinks=None) -> "AttentionCall":
         check_inputs(q, k, v, bias)
         check_window(window, is_causal)
         check_chunk(chunk, is_causal, window)
         check_documents(documents, q, k, window, chunk)
+        check_sink_logits(sinks, q)
         q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
         call = cls("fwd", q, k, v, bias, bool(is_causal), scale, dropout_p, dropout_seed, softcap,
                    replace, rope, config, window=window, need_lse=bool(need_lse), chunk=chunk,
-                   documents=documents)
+                   documents=documents, sinks=sinks)
         return call._derive()
 
     @classmethod
@@ -373,6 +388,7 @@ class AttentionCall:
         self.seed, self.drop_thresh, self.inv_keep, self.dropout = dropout_args(
             self.dropout_p, self.dropout_seed, q)
         self.score_scale, self.cap, self.softcapped = _softcap_args(self.kind, self.scale, self.softcap)
+        self.sink_t = q if self.sinks is None else self.sinks.float().contiguous()
         if self.documents is None:
             self.doc_t, self.doc_stride = q, 0
         else:
@@ -461,7 +477,7 @@ class AttentionCall:
                 parts.append(f"window-periodic ({self.period})")
         for on, what in ((self.is_causal, "causal"), (self.window, f"window {self.window}"),
                          (self.chunk, f"chunks of {self.chunk}"),
-                         (self.documents is not None, "documents"),
+                         (self.documents is not None, "documents"), (self.sinks is not None, "sinks"),
                          (self.dropout, "dropout"),
                          (self.softcapped, "softcap"), (self.has_rep, "replace mask"),
                          (self.rope is not None, "rope"), (self.need_dbias, "dbias"),
