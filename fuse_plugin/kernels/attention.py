@@ -225,8 +225,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                        dropout_seed: Optional[torch.Tensor] = None,
                        group_split: Optional[int] = None, softcap: float = 0.0,
                        replace: Optional[torch.Tensor] = None, window: int = 0, chunk: int = 0,
-                       documents: Optional[torch.Tensor] = None):
-    """Returns ``(dq, dk, dv, dbias_or_None)``; see the module docstring.
+                       documents: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None):
+    """Returns ``(dq, dk, dv, dbias_or_None)`` (with ``sinks``, also ``dsinks``); see the module
+    docstring.
 
     Args (besides ``attention_forward``'s):
         dout, out, lse: the forward's output gradient, output and logsumexp.
@@ -236,6 +237,11 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
         group_split: (atomic path and "tma_pair", default ``attention_general.group_split``)
             share each GQA group's query heads out over that many programs, whose fp32 dK/dV
             partials are then summed.
+        sinks: the forward's sink logits (lse includes them): their gradient is returned too,
+            dsinks[h] = -sum_{b,i} exp(sinks[h] - lse[b,h,i]) * Delta[b,h,i] with Delta = rowsum(dO*O),
+            read from the preprocess kernel where the family ran it (no pass over dO and O), else
+            computed (``sink_gradient``). The kernels need nothing else: their weights exp(s - lse)
+            are the sink-normalised ones.
     With ``rope``, q and k are the un-rotated inputs and dq/dk the gradients w.r.t. them; with
     ``softcap``, dbias is the gradient of the softcapped scores (dq/dk go on through the
     softcap); with ``replace``, dbias is dS everywhere, dq/dk take none of it where it holds."""
@@ -247,8 +253,9 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
                                   documents=documents)
     if call.empty:
         q_in, k_in, v_in = call.inputs
-        return (layout_like(q_in, q.dtype), layout_like(k_in, k.dtype), layout_like(v_in, v.dtype),
-                host.empty(call.dbias_shape(), torch.float32, q.device) if need_dbias else None)
+        grads = (layout_like(q_in, q.dtype), layout_like(k_in, k.dtype), layout_like(v_in, v.dtype),
+                 host.empty(call.dbias_shape(), torch.float32, q.device) if need_dbias else None)
+        return grads if sinks is None else grads + (torch.zeros_like(sinks),)
     family, cfg, _ = registry.choose(call)
     target = call.dbias_shape()
     if not family.periodic_bias:
@@ -256,4 +263,15 @@ def attention_backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale:
     dq, dk, dv, dbias = family.run(call, cfg, out_layout)
     if dbias is not None and (tuple(dbias.shape) != tuple(target) or dbias.dtype != torch.float32):
         dbias = call.reduce_dbias(dbias, target)
-    return dq, dk, dv, dbias
+    if sinks is None:
+        return dq, dk, dv, dbias
+    return dq, dk, dv, dbias, sink_gradient(dout, out, lse, sinks, call.delta)
+
+
+def sink_gradient(dout, out, lse, sinks, delta=None):
+    """dsinks[h] = -sum_{b,i} exp(sinks[h] - lse[b,h,i]) * Delta[b,h,i], Delta = rowsum(dO*O) (given,
+    or computed from dout and out), in sinks' dtype."""
+    if delta is None:
+        delta = (dout.float() * out.float()).sum(-1)
+    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
+    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)

@@ -303,6 +303,7 @@ class _RowStats:
             + (("DQA",) if self.atomic else ()),
         )
         self.done = (delta, row_m, row_r, dqa)
+        call.delta = delta  # (the sinks' gradient reads it: kernels/attention.py)
         return self.done
 
 

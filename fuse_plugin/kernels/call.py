@@ -332,6 +332,7 @@ class AttentionCall:
     doc_t: Any = None  # the documents table (document_ranges), q without documents (never read)
     doc_stride: int = 0  # its batch stride (0: one row for every batch, or none)
     sink_t: Any = None  # the sinks in fp32, contiguous; q without sinks (never read)
+    delta: Any = None  # backward: rowsum(dO * O) (B, Hq, Lq) fp32, where a path's preprocess computed it
 
     # ------------------------------------------------------------------ construction
 

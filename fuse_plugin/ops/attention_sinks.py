@@ -20,14 +20,16 @@ adds in its epilogue (the row's running max and sum are there: m' = max(m, sink)
 + e^(sink−m'), the accumulator rescaled by e^(m−m')), so no pass over out follows the kernel (a
 merge after the attention op's (out₀, lse₀) cost 3% of a gpt-oss 4k layer and 12% of a
 window-128 one, H100: RESULTS stop 30); dropout scales the kept weights uniformly, so the same
-holds. Other forward families take no sinks (registry). The backward is the attention op's with this (out, lse): its kernels rebuild the
-weights as exp(s − lse), which is the sink-normalised p, and take Δ = rowsum(dO ∘ O); the sink's
-gradient is dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse[b,h,i]) · Δ[b,h,i]. On the CPU the reference
+holds. Other forward families take no sinks (registry). The backward is the attention op's with
+this (out, lse): its kernels rebuild the weights as exp(s − lse), which is the sink-normalised p,
+and take Δ = rowsum(dO ∘ O); the sink's gradient is dsinks[h] = −Σ_{b,i} exp(sinks[h] −
+lse[b,h,i]) · Δ[b,h,i], from the preprocess kernel's Δ where the backward family ran it
+(kernels/attention.py attention_backward's ``sinks``). On the CPU the reference
 computes with the sink in its softmax, in the compute dtype (float64 stays exact), and returns
 the sink's gradient itself (reference.attention_forward / attention_backward's ``sinks``).
 replace: the attention op's replace mask (a finite fill next to additive terms), passed through;
 window: the attention op's sliding window (with is_causal; gpt-oss's sliding layers), passed through
-(the sink joins every row's softmax alike, so the merge is the same).
+(the sink joins every row's softmax alike).
 No softcap (the recogniser declines it). DTensors: ops/sharding.py (sinks follow
 the heads).
 """
@@ -98,13 +100,6 @@ def _(q, k, v, attn_bias, dropout_p, is_causal, scale, sinks, dropout_seed=None,
     return empty_out(q, v), q.new_empty((b, hq, lq), dtype=torch.float32)
 
 
-def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
-    """dsinks[h] = −Σ_{b,i} exp(sinks[h] − lse[b,h,i]) · rowsum(dO ∘ O)[b,h,i], in sinks' dtype."""
-    delta = (dout.float() * out.float()).sum(-1)
-    p_sink = torch.exp(sinks.float().view(1, -1, 1) - lse)
-    return (-(p_sink * delta).sum((0, 2))).to(sinks.dtype)
-
-
 def attention_sinks_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn_bias: Optional[Tensor],
                              out: Tensor, lse: Tensor, sinks: Tensor, dropout_p: float, is_causal: bool,
                              scale: float, dropout_seed: Optional[Tensor], need_dbias: bool,
@@ -114,10 +109,10 @@ def attention_sinks_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, attn
     bias = bias_4d(attn_bias, q, k)
     P = period_of(attn_bias, q)
     if _runs_kernel(q, v):
-        dq, dk, dv, ds = _kernels().attention_backward(
+        dq, dk, dv, ds, dsinks = _kernels().attention_backward(
             dout, q, k, v, bias, out, lse, is_causal=is_causal, scale=scale, need_dbias=need_dbias,
-            dropout_p=dropout_p, dropout_seed=dropout_seed, **_extra(0.0, replace, q, k, period=P, window=window))
-        dsinks = sinks_grad(dout, out, lse, sinks)
+            dropout_p=dropout_p, dropout_seed=dropout_seed, sinks=sinks,
+            **_extra(0.0, replace, q, k, period=P, window=window))
     else:
         if P is not None:
             bias = whole_bias(attn_bias, q, k)
