@@ -107,20 +107,32 @@ def test_kernels_without_a_bias_fold_the_sink(window):
     check_close("lse", lse, torch.logaddexp(torch.logsumexp(s, -1), sinks.double().view(1, -1, 1)), 1e-6)
 
 
-def test_other_forward_families_take_no_sinks():
-    from fuse_plugin.kernels import registry
-    from fuse_plugin.kernels.call import AttentionCall
+@needs_interpreter
+def test_a_family_without_the_fold_gets_the_sink_merged():
+    """The general forward folds the sink in; a family that does not (here the small family,
+    forced) runs the plain problem and the sink is merged after it (kernels/attention.py
+    merge_sinks): the same out and lse, a masked row 0."""
+    from fuse_plugin.kernels import attention as K, registry
 
-    q, k, v, _, sinks = inputs(bias=False)
-    call = AttentionCall.forward(q.detach(), k.detach(), v.detach(), None, is_causal=True, scale=0.25,
-                                 sinks=sinks.detach())
-    reasons = registry.reasons(call)
-    assert reasons["general"] is None
-    others = {name: why for name, why in reasons.items() if name != "general"}
-    assert others and all("takes no sink logits" in why for why in others.values()), reasons
+    q, k, v, _, sinks = (t if t is None else t.detach() for t in inputs(bias=False))
+    keep = torch.ones(2, 1, 9, 9, dtype=torch.bool)
+    keep[0, :, 3] = False
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-2, -1)) * 0.25
+    s = s.masked_fill(~keep, float("-inf"))
+    want_lse = torch.logaddexp(torch.logsumexp(s, -1), sinks.double().view(1, -1, 1))
+    want = eager(q.double(), k.double(), v.double(), torch.zeros(2, 1, 9, 9).masked_fill(~keep, float("-inf")).double(),
+                 sinks.double(), 0.25)
+    assert registry.FAMILIES["fwd"]["general"].takes_sinks and not registry.FAMILIES["fwd"]["small"].takes_sinks
+    with cpu_kernels("triton"):
+        for family in ("general", "small"):
+            with registry.forced(family):
+                out, lse = K.attention_forward(q, k, v, keep.expand(2, 4, 9, 9), is_causal=False, scale=0.25,
+                                               sinks=sinks)
+            check_close(f"out ({family})", out, want, 1e-5)
+            check_close(f"lse ({family})", lse, want_lse, 1e-6)
+            assert torch.equal(out[0, :, 3], torch.zeros_like(out[0, :, 3]))
     with pytest.raises(ValueError, match="sinks must be a floating"):
-        AttentionCall.forward(q.detach(), k.detach(), v.detach(), None, is_causal=True, scale=0.25,
-                              sinks=sinks.detach()[:2])
+        K.attention_forward(q, k, v, None, is_causal=True, scale=0.25, sinks=sinks[:2])
 
 
 def test_bad_sinks_are_rejected():

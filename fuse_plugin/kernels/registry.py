@@ -77,7 +77,7 @@ class Family:
     rule = ""  # why it is taken when it is the first that can run a call (the priority list)
 
     takes_window = False  # runs a sliding window, chunks, documents (``call.window``, ``chunk``, ``documents``)
-    takes_sinks = False  # folds sink logits into its forward's softmax (``call.sinks``)
+    takes_sinks = False  # folds sink logits into its forward's softmax (``call.sinks``); else merged after it
 
     def why_not(self, call) -> Optional[str]:
         """Why this family cannot run ``call`` (None: it can): the features it lacks, then its
@@ -88,8 +88,6 @@ class Family:
             return "it takes no chunks (the general kernels do)"
         if call.documents is not None and not self.takes_window:
             return "it takes no documents (the general kernels do)"
-        if call.sinks is not None and not self.takes_sinks:
-            return "it takes no sink logits (the general forward does)"
         return self.cannot(call)
 
     def cannot(self, call) -> Optional[str]:
