@@ -259,6 +259,24 @@ def window_section(data: dict) -> list[str]:
     return out
 
 
+def masks_section(data: dict) -> list[str]:
+    """Issue 31's other structures: packed documents and attention sinks (kernels)."""
+    m = data.get("masks")
+    if not m:
+        return []
+    d, k = m["documents"], m["sinks"]
+    out = ["### Packed documents and attention sinks (issue 31)", "",
+           f"**Documents** ({d['unit']}). " + setup_line(d["provenance"]), ""]
+    out += _table(["L", "documents", "causal-general fwd / bwd", "documents fwd / bwd", "sdpa-mask fwd / bwd",
+                   "r (live / causal)", "vs ideal (Must <= 1.25)", "vs sdpa"],
+                  [[r["L"], r["docs"], _pair(r["causal_general"]), _pair(r["documents"]), _pair(r["sdpa_mask"]),
+                    r["r"], r["vs_ideal"], r["vs_sdpa"]] for r in d["rows"]])
+    out += ["", f"**Sinks** ({k['unit']}). " + setup_line(k["provenance"]), ""]
+    out += _table(["layer", "attention", "sinks", "sinks / attention (Must <= 1.05)"],
+                  [[r["layer"], r["attention"], r["sinks"], f"{r['sinks'] / r['attention']:.3f}"] for r in k["rows"]])
+    return out
+
+
 def window_ratio(data: dict) -> float:
     """The windowed model's training speed-up: plugin (sdpa path) over sdpa + compile."""
     e = data["window"]["e2e"]
@@ -334,7 +352,7 @@ def current_section(data: dict) -> str:
              "are in the history below (one section per stop). Generated from "
              "[results/current.json](results/current.json), which gives each entry's provenance.", ""]
     for part in (kernels_section, choice_section, shapes_section, zoo_section, e2e_section, window_section,
-                 generate_section, distributed_section, context_parallel_section):
+                 masks_section, generate_section, distributed_section, context_parallel_section):
         lines += part(data) + [""]
     return "\n".join(lines).rstrip() + "\n"
 
