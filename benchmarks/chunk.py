@@ -22,8 +22,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
-from common import emit
+from common import emit, graph_ms, report_check
 
 import fuse_plugin  # noqa: F401  (registers torch.ops.fuse_plugin)
 from fuse_plugin.kernels import registry
@@ -69,12 +68,8 @@ def main():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    errs = check()
-    ok = all(e <= 2e-2 for e in errs.values())
-    print("check (L 2048, chunk 512, GQA 8/2, bf16 vs float64, max err / max |ref|):",
-          ", ".join(f"{n} {e:.1e}" for n, e in errs.items()), "PASS" if ok else "FAIL", flush=True)
-    def bench(fn):
-        return min(triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") for _ in range(2))
+    ok = report_check("L 2048, chunk 512, GQA 8/2, bf16 vs float64", check())
+    bench = graph_ms
 
     lines = [f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | bf16, B 1, H {args.heads}, D 128, "
              f"chunk {args.chunk} | device ms (CUDA graphs, median, best of 2)", "",

@@ -25,6 +25,22 @@ def emit(lines: list[str], out: str | None, quiet: bool = False) -> None:
             f.write(text + "\n")
 
 
+def report_check(what: str, errs: dict, limit: float = 2e-2) -> bool:
+    """Print a float64 check's line (each max error over the reference's max |x|) and say whether
+    every error is within ``limit``."""
+    ok = all(e <= limit for e in errs.values())
+    print(f"check ({what}, max err / max |ref|):", ", ".join(f"{n} {e:.1e}" for n, e in errs.items()),
+          "PASS" if ok else "FAIL", flush=True)
+    return ok
+
+
+def graph_ms(fn, rep: int = 50) -> float:
+    """Device ms of ``fn`` under CUDA graphs: the best of two ``do_bench_cudagraph`` medians."""
+    import triton
+
+    return min(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") for _ in range(2))
+
+
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 

@@ -22,7 +22,7 @@ import argparse
 
 import torch
 import triton
-from common import emit
+from common import emit, graph_ms, report_check
 
 import fuse_plugin  # noqa: F401  (registers torch.ops.fuse_plugin)
 
@@ -93,14 +93,11 @@ def main():
     p.add_argument("--window", type=int, default=128)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    errs = check()
-    ok = all(e <= 2e-2 for e in errs.values())
-    print("check (L 1000, GQA 64/8, D 64, bf16 vs float64, max err / max |ref|):",
-          ", ".join(f"{n} {e:.1e}" for n, e in errs.items()), "PASS" if ok else "FAIL", flush=True)
+    ok = report_check("L 1000, GQA 64/8, D 64, bf16 vs float64", check())
 
     def bench(fn, a):
         fn(*a)  # compile outside the capture
-        return min(triton.testing.do_bench_cudagraph(lambda: fn(*a), rep=50, return_mode="median") for _ in range(2))
+        return graph_ms(lambda: fn(*a))
 
     lines = [f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | bf16, "
              f"B 1, Hq {HQ}, Hkv {HKV}, D {D}, L {args.length}, causal | fwd + bwd device ms (compiled step, "
