@@ -331,7 +331,7 @@ class AttentionCall:
     rc: dict = field(default_factory=lambda: dict(NO_ROPE))
     doc_t: Any = None  # the documents table (document_ranges), q without documents (never read)
     doc_stride: int = 0  # its batch stride (0: one row for every batch, or none)
-    sink_t: Any = None  # the sinks in fp32, contiguous; q without sinks (never read)
+    sink_t: Any = None  # the sinks, contiguous (the kernel reads them as fp32); q without sinks (never read)
     delta: Any = None  # backward: rowsum(dO * O) (B, Hq, Lq) fp32, where a path's preprocess computed it
 
     # ------------------------------------------------------------------ construction
@@ -389,7 +389,7 @@ class AttentionCall:
         self.seed, self.drop_thresh, self.inv_keep, self.dropout = dropout_args(
             self.dropout_p, self.dropout_seed, q)
         self.score_scale, self.cap, self.softcapped = _softcap_args(self.kind, self.scale, self.softcap)
-        self.sink_t = q if self.sinks is None else self.sinks.float().contiguous()
+        self.sink_t = q if self.sinks is None else self.sinks.contiguous()  # (fp32 on load: no cast kernel)
         if self.documents is None:
             self.doc_t, self.doc_stride = q, 0
         else:
