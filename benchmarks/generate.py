@@ -13,7 +13,9 @@ intermediate 4096, vocab 32000, ~250M). ``--tiny``: 2 layers, hidden 64, 4/2 hea
 
 Variants: ``eager`` (eager attention, no compile), ``compile`` (eager attention + stock
 torch.compile, the plugin off while it compiles), ``sdpa+compile`` (HF's SDPA attention + stock
-compile), ``plugin`` (eager attention + torch.compile(backend="fuse_plugin")); the compiled ones in
+compile), ``plugin`` (eager attention + torch.compile(backend="fuse_plugin")), ``plugin-sdpa`` (HF's
+SDPA attention + the plugin: its SDPA call sites weighed by the choice, issue 30; not run unless
+named, its ratio against the same best stock); the compiled ones in
 each ``--modes`` mode (reduce-overhead = CUDA graphs). The recipe is HF's documented static-cache
 one with the whole forward compiled: ``model.forward = torch.compile(model.forward, mode=...,
 fullgraph=True)``, one `StaticCache` of prompt + new-tokens slots per cell, initialised before
@@ -65,9 +67,10 @@ from torch._dynamo.utils import counters
 import fuse_plugin
 from fuse_plugin.backend import fuse_plugin_backend
 
-VARIANTS = ("eager", "compile", "sdpa+compile", "plugin", "floor")
+VARIANTS = ("eager", "compile", "sdpa+compile", "plugin", "plugin-sdpa", "floor")
 # The attention implementation each variant builds its model with.
-ATTENTION = {"sdpa+compile": "sdpa", "floor": "fuse_plugin_floor"}
+ATTENTION = {"sdpa+compile": "sdpa", "plugin-sdpa": "sdpa", "floor": "fuse_plugin_floor"}
+PLUGIN = ("plugin", "plugin-sdpa")  # compiled with backend="fuse_plugin"
 MODES = ("default", "reduce-overhead")
 
 
@@ -126,9 +129,9 @@ class CountingBackend:
         self.graphs: list[int] = []
 
     def __call__(self, gm, example_inputs, **kwargs):
-        before = counters["fuse_plugin"]["attention"]
+        before = counters["fuse_plugin"]["attention"] + counters["fuse_plugin"]["sdpa"]
         compiled = fuse_plugin_backend(gm, example_inputs, **kwargs)
-        fused = counters["fuse_plugin"]["attention"] - before
+        fused = counters["fuse_plugin"]["attention"] + counters["fuse_plugin"]["sdpa"] - before
         # a graph with symbolic sizes keeps our ops opaque (ops/inductor.py): marked "(dynamic)"
         values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
         dynamic = any(isinstance(v, torch.SymInt) or isinstance(v, torch.Tensor)
@@ -171,7 +174,7 @@ class Cell:
         self.variant, self.mode, self.args, self.inputs = variant, mode, args, inputs
         self.model = build(name, ATTENTION.get(variant, "eager"), args.device, args.dtype)
         self.cache = static_cache(self.model, inputs["input_ids"].shape[0], max_len)
-        self.backend = CountingBackend() if variant == "plugin" else None
+        self.backend = CountingBackend() if variant in PLUGIN else None
         if variant != "eager":
             kwargs = {"mode": None if mode == "default" else mode, "fullgraph": True}
             self.model.forward = torch.compile(self.model.forward, backend=self.backend or "inductor", **kwargs)
@@ -317,7 +320,7 @@ def table(results) -> list[str]:
             lines.append(f"| {name} | {plen} | {batch} | {variant} | {mode} | {cell['error']} | | | | | | | |")
             continue
         ratios = ["", ""]
-        if variant in ("plugin", "floor"):
+        if variant in PLUGIN + ("floor",):
             others = [results.get((name, plen, batch, v, mode), {}).get("decode") for v in ("compile", "sdpa+compile")]
             others = [o for o in others if o]
             ratios[variant == "floor"] = f"{cell['decode'] / max(others):.2f}" if others else "-"
@@ -411,7 +414,7 @@ def main(argv=None):
     parser.add_argument("--prompts", default="512,4096")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(v for v in VARIANTS if v != "plugin-sdpa"))
     parser.add_argument("--floor-modes", default="reduce-overhead",
                         help="the modes the floor variant (attention costs nothing) runs in")
     parser.add_argument("--modes", default=",".join(MODES))

@@ -351,6 +351,14 @@ def table(results, rows, modes, variants) -> list[str]:
     return lines
 
 
+def report(header, results, rows, modes, variants) -> list[str]:
+    """The header, the ViT's source where a ViT row ran, and the table of the rows in ``results``."""
+    lines = [header, ""]
+    if any(ROWS[r][0] == "vit" for r in rows):
+        lines.append(f"ViT: {getattr(vit, 'source', '?')}")
+    return lines + [""] + table(results, rows, modes, variants)
+
+
 def main(argv=None):
     import transformers
 
@@ -387,12 +395,11 @@ def main(argv=None):
             run_row(name, mode, variants, args.layers, args.steps, args.rounds, results,
                     lambda s: print(s, flush=True), args.profile)
             _free()  # the row's models and compiled graphs are gone once run_row returns
+            if args.out and args.rounds:  # the rows so far, should the run be cut short
+                emit(report(header, results, rows, modes, variants) + ["", "(partial)"], args.out, quiet=True)
     if args.rounds == 0:
         return
-    lines = [header, ""]
-    if any(ROWS[r][0] == "vit" for r in rows):
-        lines.append(f"ViT: {getattr(vit, 'source', '?')}")
-    lines += [""] + table(results, rows, modes, variants)
+    lines = report(header, results, rows, modes, variants)
     lines.append(f"\n(total {time.perf_counter() - t_start:.0f} s)")
     if not args.no_overhead:
         import overhead

@@ -23,7 +23,8 @@ cross-entropy on random labels, backward and a fused AdamW step, as shapes.py's 
 stock torch.compile (the plugin kept off while it compiles and runs, ``fuse_plugin.disabled()``);
 ``fused+compile`` = timm's fused path (F.scaled_dot_product_attention) + stock torch.compile;
 ``plugin`` = hand-written attention + torch.compile(backend="fuse_plugin"); optional ``eager`` =
-hand-written attention, no compile. Method as shapes.py: every variant of a row is built in one
+hand-written attention, no compile; optional ``plugin-fused`` = timm's fused path compiled with the
+plugin (its SDPA call sites weighed by the choice, issue 30), with its own ratio over the same best. Method as shapes.py: every variant of a row is built in one
 process (its own model, seeded alike, compiled with 3 warm-up steps), then ``--rounds`` rounds in
 which the variants take turns, each running ``--steps`` steps synchronised once, the garbage
 collector off inside a timed run; a cell is the median of its rounds in images/s (best in
@@ -95,7 +96,10 @@ from common import emit, profile_steps
 from torch import nn
 
 VARIANTS = ("compile", "fused+compile", "plugin")
-ALL_VARIANTS = ("eager",) + VARIANTS
+ALL_VARIANTS = ("eager",) + VARIANTS + ("plugin-fused",)
+# plugin-fused (named in --variants): timm's fused path (its F.sdpa call sites) compiled with the plugin,
+# issue 30's "ViT-S / EVA-02 on their fused path" rows; its ratio is against the same best of STOCK.
+PLUGIN = ("plugin", "plugin-fused")  # the variants compiled with backend="fuse_plugin"
 STOCK = ("compile", "fused+compile")  # the plugin's ratio is against the better of these
 TASKS = ("infer", "train")
 MODES = ("default", "reduce-overhead")
@@ -322,7 +326,7 @@ def _timed_run(step, steps: int, device: str) -> float:
 
 def _variant_context(variant):
     """The plugin off for every variant but ``plugin`` (the automatic patch would rewrite them)."""
-    return contextlib.nullcontext() if variant in ("plugin", "eager") else _plugin().disabled()
+    return contextlib.nullcontext() if variant in PLUGIN + ("eager",) else _plugin().disabled()
 
 
 def parity(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -353,7 +357,8 @@ def _as_sdpa(plugin: dict) -> str:
 
 def plugin_counts() -> dict[str, int]:
     c = _counters()["fuse_plugin"]
-    return {k: int(c.get(k, 0)) for k in ("attention", "attention_as_sdpa", "attention_left", "rotary")}
+    return {k: int(c.get(k, 0)) for k in ("attention", "attention_as_sdpa", "attention_left", "rotary", "sdpa",
+                                          "sdpa_left")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -366,7 +371,7 @@ def build_variant(model_name, variant, task, mode, images, labels, ref, args):
     (step, kept objects, cell dict with compile seconds, graphs, parity and plugin counts)."""
     t0 = time.perf_counter()
     model = create(model_name)
-    set_fused_attn(model, variant == "fused+compile")
+    set_fused_attn(model, variant in ("fused+compile", "plugin-fused"))
     model = model.to(device=args.device, dtype=args.dtype).train(task == "train")
     if task == "infer":  # what a model caches on its first eval call (LeViT's attention biases) is
         with torch.no_grad():  # made here, not inside a CUDA graph whose next replay overwrites it
@@ -375,20 +380,20 @@ def build_variant(model_name, variant, task, mode, images, labels, ref, args):
         fn = model
     else:
         kwargs = dict(mode=None if mode == "default" else mode, dynamic=False)
-        backend = "fuse_plugin" if variant == "plugin" else "inductor"
-        if variant == "plugin":
+        backend = "fuse_plugin" if variant in PLUGIN else "inductor"
+        if variant in PLUGIN:
             _plugin()  # registers the backend name where no entry point declares it
         fn = torch.compile(model, backend=backend, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if task == "train" else None
     step = make_step(fn, task, images, labels, opt, mode == "reduce-overhead" and variant != "eager")
-    graphs, counts = graphs_compiled(), plugin_counts() if variant == "plugin" else None
+    graphs, counts = graphs_compiled(), plugin_counts() if variant in PLUGIN else None
     with _variant_context(variant):
         logits = step(capture=True)  # compiles; its logits are of the weights `ref` saw
         for _ in range(2):  # CUDA graphs record on the 2nd/3rd call
             step()
     sync(args.device)
     cell = {"compile_s": time.perf_counter() - t0, "graphs": graphs_compiled() - graphs, **parity(logits, ref)}
-    if variant == "plugin":
+    if variant in PLUGIN:
         after = plugin_counts()
         cell.update({k: after[k] - counts[k] for k in counts})
     return step, (model, fn, opt), cell
@@ -426,8 +431,9 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
         return row
     steps = {}
     for variant in args.variants:
-        if variant == "fused+compile" and not row["fused_path"]:
-            row["variants"][variant] = {"same_as": "compile", "why": "no fused path"}
+        if variant in ("fused+compile", "plugin-fused") and not row["fused_path"]:
+            same = "compile" if variant == "fused+compile" else "plugin"
+            row["variants"][variant] = {"same_as": same, "why": "no fused path"}
             continue
         try:
             step, kept, cell = build_variant(model_name, variant, task, mode, images, labels, ref, args)
@@ -436,7 +442,7 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
             log(f"  built {model_name} {task} {mode} {variant} in {cell['compile_s']:.0f} s: {cell['graphs']} "
                 f"graph(s), parity {cell['max_abs']:.2e} ({cell['rel']:.1e})"
                 + (f", attention fused {cell['attention']} left {cell['attention_left']} rotary {cell['rotary']}"
-                   if variant == "plugin" else ""))
+                   if variant in PLUGIN else ""))
         except Exception as e:  # reported in the table, the other variants still run
             import traceback
 
@@ -470,6 +476,8 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
         cell["best_img_s"] = args.batch * args.steps / ts[0]
     gc.unfreeze()
     row["plugin_vs_best"] = ratio(row)
+    if "plugin-fused" in times:
+        row["plugin_fused_vs_best"] = ratio(row, "plugin-fused")
     for variant, (step, _kept) in steps.items() if args.profile and args.device == "cuda" else ():
         with _variant_context(variant):
             row["variants"][variant]["profile"] = profile_steps(
@@ -495,9 +503,10 @@ def img_s(row, variant):
     return cell.get("img_s")
 
 
-def ratio(row) -> float | None:
-    """plugin / the better of compile and fused+compile (medians), None where either side is missing."""
-    plugin = img_s(row, "plugin")
+def ratio(row, variant="plugin") -> float | None:
+    """``variant`` (plugin or plugin-fused) over the better of compile and fused+compile (medians),
+    None where either side is missing."""
+    plugin = img_s(row, variant)
     stock = [x for x in (img_s(row, v) for v in STOCK) if x]
     return round(plugin / max(stock), 3) if plugin and stock else None
 
@@ -524,13 +533,15 @@ def fmt_path(fused_path) -> str:
 def table(rows, variants) -> list[str]:
     """One line per model x task x mode: images/s per variant (median (best)), the ratio, the
     plugin's sites, parity, graphs and recompiles (module doc)."""
+    fused = "plugin-fused" in variants  # its ratio and sites get two more columns
+    extra = " plugin-fused / best | plugin-fused SDPA sites ours / left |" if fused else ""
     lines = ["| model | task | mode | fused path | " + " | ".join(variants)
-             + " | plugin / best | attn fused / left | plugin parity max abs (rel) | graphs | recompiles |",
-             "|---|---|---|---|" + "---|" * (len(variants) + 5)]
+             + " | plugin / best | attn fused / left | plugin parity max abs (rel) | graphs | recompiles |" + extra,
+             "|---|---|---|---|" + "---|" * (len(variants) + 5 + 2 * fused)]
     for row in rows:
         head = f"| {row['model']} | {row['task']} | {row['mode']} | {fmt_path(row.get('fused_path'))} | "
         if "error" in row:
-            lines.append(head + row["error"] + " |" * (len(variants) + 5))
+            lines.append(head + row["error"] + " |" * (len(variants) + 5 + 2 * fused))
             continue
         cells = [fmt_cell(row, v) for v in variants]
         r = ratio(row)
@@ -539,8 +550,13 @@ def table(rows, variants) -> list[str]:
                  else "-")
         par = f"{plugin['max_abs']:.2e} ({plugin['rel']:.1e})" if "max_abs" in plugin else "-"
         graphs = "/".join(str(row["variants"][v].get("graphs", "-")) for v in variants if v in row["variants"])
-        lines.append(head + " | ".join(cells) + f" | {f'{r:.2f}' if r else '-'} | {sites} | {par} | {graphs} | "
-                     f"{row.get('recompiles', '-')} |")
+        line = (head + " | ".join(cells) + f" | {f'{r:.2f}' if r else '-'} | {sites} | {par} | {graphs} | "
+                f"{row.get('recompiles', '-')} |")
+        if fused:
+            pf, rf = row["variants"].get("plugin-fused", {}), ratio(row, "plugin-fused")
+            pf_sites = f"{pf['sdpa']} / {pf['sdpa_left']}" if "sdpa" in pf else "-"  # its SDPA call sites
+            line += f" {f'{rf:.2f}' if rf else '-'} | {pf_sites} |"
+        lines.append(line)
     return lines
 
 

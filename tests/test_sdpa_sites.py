@@ -279,7 +279,11 @@ def test_repeated_kv_call_weighed_against_sdpa_timed_repeated(monkeypatch):
     assert not kept.ours and "k/v repeated" in kept.reason, kept
     assert choice.decide_sdpa_from(times, "fwd", "k").ours  # enable_gqa: 507 < 683
     no_repeat_time = {k: v for k, v in times.items() if k != "sdpa_repeat"}
-    assert choice.decide_sdpa_from(no_repeat_time, "fwd", "k", kv_repeated=True).ours  # only SDPA's own time
+    assert choice.decide_sdpa_from(no_repeat_time, "fwd", "bf16|k", kv_repeated=True).ours  # only SDPA's own time
+    # float32 without the repeated call's time: enable_gqa's time is the math path's, not the call's
+    left = choice.decide_sdpa_from(no_repeat_time, "fwd", "fp32|k", kv_repeated=True)
+    assert not left.ours and "math path" in left.reason, left
+    assert choice.decide_sdpa_from(no_repeat_time, "fwd", "fp32|k").ours  # enable_gqa passed: its own time
 
     monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "auto")
     monkeypatch.setattr(choice.choice_table, "lookup", lambda device, key: times)

@@ -304,12 +304,20 @@ def decide_sdpa_from(times: Optional[dict], mode: str, key: Optional[str],
     ``band``: see ours_time; ``kv_repeated``: the call's k/v were repeated for GQA before it, and
     SDPA is timed as such a call where the class holds that time (``sdpa_repeat``: in float32,
     HF's Llama 8x512 ran the efficient kernel at 342 us a call where enable_gqa's math path took
-    683 and our op 524; H100, issue 30)."""
+    683 and our op 524; H100, issue 30). A float32 class without that time leaves such a call as it
+    is: its enable_gqa time is the math path's, slower than the call, so weighing our op against it
+    would favour us wrongly. In bf16 / fp16 the flash and cuDNN kernels take enable_gqa and the
+    repeat only adds copies (H100 llama-512: 22.5 vs 51.6 us), so the class's SDPA time is a lower
+    bound of the call's and weighing against it can only keep SDPA too often."""
     sdpa = (times or {}).get(choice_table.SDPA, {}).get(mode)
     repeated = (times or {}).get(choice_table.SDPA_REPEAT, {}).get(mode) if kv_repeated else None
     if repeated is not None:
         sdpa = repeated
         key = f"{key}, SDPA timed with k/v repeated as the call passes them"
+    elif kv_repeated and sdpa is not None and (key or "").startswith("fp32|"):
+        return Decision(False, f"left as SDPA: the call repeats k/v and this class has no time for such a call; "
+                               f"in float32 its enable_gqa time (the math path) is not what the call runs ({mode}, "
+                               f"{key})")
     ours = ours_time(times, mode, band) if times else None
     if sdpa is None or ours is None:
         return Decision(False, f"left as SDPA: our op is not measured against it for this class ({mode}, {key})")
