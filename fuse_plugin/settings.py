@@ -13,6 +13,7 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_CHOICE_TABLE | (shipped), a path, off | the measured times the kernel families and the site choice read: shipped, another file, or none | kernels/choice_table.py |
 | FUSE_PLUGIN_ATTENTION_FAMILY | auto, a family name | every attention call runs this kernel family (kernels/registry.py names them); auto: chosen per problem | kernels/registry.py |
 | FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor, sdpa | a matched site: the fastest measured of our op, the site as it is (Inductor's for a hand-written one, SDPA itself for an SDPA call) and, for a hand-written one, an SDPA call in its place (auto); always our op; never (left as written); or an SDPA call wherever the site can be one (sdpa; else our op) | patterns/choice.py |
+| FUSE_PLUGIN_ROTARY_SITES | auto, ours, off | a matched rotary embedding: left as written where a graph is compiled for CUDA with static shapes and the rotary is not folded into an attention (auto: Inductor fuses the eager spelling into its neighbours, measured faster than our op's decomposition); always our op (ours); never (off) | patterns/choice.py |
 | FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
 
 Booleans take ``1 true on yes`` and ``0 false off no``, in any case; choices take their listed
@@ -53,6 +54,7 @@ CHOICE_TABLE = "FUSE_PLUGIN_CHOICE_TABLE"
 ATTENTION_FAMILY = "FUSE_PLUGIN_ATTENTION_FAMILY"
 SITE_CHOICE = "FUSE_PLUGIN_SITE_CHOICE"
 SDPA_SITES = "FUSE_PLUGIN_SDPA_SITES"
+ROTARY_SITES = "FUSE_PLUGIN_ROTARY_SITES"
 
 TRUE = ("1", "true", "on", "yes")
 FALSE = ("0", "false", "off", "no")
@@ -162,6 +164,12 @@ def site_choice() -> str:
     return choice(SITE_CHOICE, ("auto", "ours", "inductor", "sdpa"), "auto")
 
 
+def rotary_sites() -> str:
+    """What the rewrite does with a matched rotary embedding (`FUSE_PLUGIN_ROTARY_SITES`): "auto"
+    (patterns/choice.decide_rotary), "ours" (always our op) or "off" (never: left as written)."""
+    return choice(ROTARY_SITES, ("auto", "ours", "off"), "auto")
+
+
 def sdpa_sites() -> bool:
     """Read `F.scaled_dot_product_attention` calls as attention sites (`FUSE_PLUGIN_SDPA_SITES`,
     default on; patterns/sdpa.py)? Off: they stay as they are and are not reported."""
@@ -197,4 +205,4 @@ def key() -> str:
     return (f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()},"
             f"inductor_launch={inductor_launch()},table={attention_table()},"
             f"choices={choice_table()},family={attention_family()},site={site_choice()},"
-            f"sdpa={sdpa_sites()}")
+            f"sdpa={sdpa_sites()},rotary={rotary_sites()}")

@@ -619,10 +619,19 @@ def group_pairs(graph: fx.Graph, sites: list[RotarySite]) -> list[list[RotarySit
 
 def rewrite(gm: fx.GraphModule, report) -> None:
     """Replace every rotary site of `gm` (in place); record sites and near misses in `report`."""
+    from .. import settings
+    from .choice import decide_rotary
+
     forget_value_keys()
     graph, done, fake_mode = gm.graph, {}, graph_fake_mode(gm)
+    folding = settings.rope_attention_enabled()
     try:
         for group in group_pairs(graph, find_sites(gm, report)):
+            decision = decide_rotary(example_value(group[0].x), folding)
+            if not decision.ours:  # left as written (patterns/choice.py): reported, graph untouched
+                for s in group:
+                    report.left_as_is(KIND, s.anchor, decision.reason)
+                continue
             if len(group) == 2:
                 try:
                     replace(graph, group, done, fake_mode)
