@@ -271,9 +271,42 @@ def masks_section(data: dict) -> list[str]:
                    "r (live / causal)", "vs ideal (Must <= 1.25)", "vs sdpa"],
                   [[r["L"], r["docs"], _pair(r["causal_general"]), _pair(r["documents"]), _pair(r["sdpa_mask"]),
                     r["r"], r["vs_ideal"], r["vs_sdpa"]] for r in d["rows"]])
+    if d.get("ceiling"):
+        c = d["ceiling"]
+        out += ["", c["about"], ""]
+        out += _table(["L", "documents", "documents fwd + bwd", "batched general / chosen", "documents / batched general",
+                       "batched general / ideal", "batched chosen / ideal (chosen causal)"],
+                      [[r["L"], r["docs"], r["documents"], f"{r['batched_general']} / {r['batched_chosen']}",
+                        r["docs_over_batched"], r["batched_general_over_ideal"], r["batched_chosen_over_ideal"]]
+                       for r in c["rows"]])
     out += ["", f"**Sinks** ({k['unit']}). " + setup_line(k["provenance"]), ""]
     out += _table(["layer", "attention", "sinks", "sinks / attention (Must <= 1.05)"],
                   [[r["layer"], r["attention"], r["sinks"], f"{r['sinks'] / r['attention']:.3f}"] for r in k["rows"]])
+    return out
+
+
+def sdpa_default_section(data: dict) -> list[str]:
+    """Issue 30: models on their default SDPA attention, the plugin against stock compile of the same
+    model (whole models, timm's fused path, generation)."""
+    d = data.get("sdpa_default")
+    if not d:
+        return []
+    sh, zo, ge = d["shapes"], d["zoo"], d["generate"]
+    out = ["### Models on their default SDPA attention (issue 30)", "",
+           f"**Whole models** ({sh['unit']}). " + setup_line(sh["provenance"]), ""]
+    out += _table(["row", "sdpa+compile", "plugin-sdpa", "plugin-sdpa / sdpa+compile"],
+                  [[r["row"], _mb(r["sdpa+compile"]), _mb(r["plugin-sdpa"]),
+                    f"{r['plugin-sdpa'][0] / r['sdpa+compile'][0]:.2f}"] for r in sh["rows"]])
+    out += ["", f"**timm on its fused path** ({zo['unit']}). " + setup_line(zo["provenance"]), ""]
+    out += _table(["model", "task", "compile", "fused+compile", "plugin-fused", "plugin-fused / best",
+                   "SDPA sites ours / left"],
+                  [[r["model"], r["task"], _mb(r["compile"]), _mb(r["fused+compile"]), _mb(r["plugin-fused"]),
+                    f"{r['plugin-fused'][0] / max(r['compile'][0], r['fused+compile'][0]):.2f}", r["sites"]]
+                   for r in zo["rows"]])
+    out += ["", f"**Generation** ({ge['unit']}). " + setup_line(ge["provenance"]), ""]
+    out += _table(["model", "prompt x batch", "mode", "sdpa+compile", "plugin-sdpa", "plugin-sdpa / sdpa+compile"],
+                  [[r["model"], r["shape"], r["mode"], r["sdpa+compile"], r["plugin-sdpa"],
+                    f"{r['plugin-sdpa'] / r['sdpa+compile']:.2f}"] for r in ge["rows"]])
     return out
 
 
@@ -351,8 +384,8 @@ def current_section(data: dict) -> str:
              "The latest recorded run of each benchmark; older runs, how each was made, and what was tried "
              "are in the history below (one section per stop). Generated from "
              "[results/current.json](results/current.json), which gives each entry's provenance.", ""]
-    for part in (kernels_section, choice_section, shapes_section, zoo_section, e2e_section, window_section,
-                 masks_section, generate_section, distributed_section, context_parallel_section):
+    for part in (kernels_section, choice_section, shapes_section, zoo_section, sdpa_default_section, e2e_section,
+                 window_section, masks_section, generate_section, distributed_section, context_parallel_section):
         lines += part(data) + [""]
     return "\n".join(lines).rstrip() + "\n"
 
