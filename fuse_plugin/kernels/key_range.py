@@ -53,19 +53,23 @@ def key_ranges(bias: torch.Tensor) -> torch.Tensor:
     1 where it has head stride 0 (one row then serves every batch / head), else B and Hq."""
     rows = bias.select(2, 0)  # (B, Hq, Lk): the query dim is broadcast
     if _broadcast(rows.stride(0)):
-        rows = rows[:1]
+        rows = rows.narrow(0, 0, 1)
     if _broadcast(rows.stride(1)):
-        rows = rows[:, :1]
+        rows = rows.narrow(1, 0, 1)
     if rows.dtype == torch.bool:
         visible = rows
     else:
-        # not (<= min): -inf and finfo.min are hidden, a NaN stays visible (it reaches the output)
-        visible = ~(rows <= torch.finfo(rows.dtype).min)
+        # not (<= min): -inf and finfo.min are hidden, a NaN stays visible (it reaches the output);
+        # logical_not, not ~: bitwise_not of a fake CUDA bool fails in a CPU build of torch
+        visible = torch.logical_not(rows <= torch.finfo(rows.dtype).min)
+    # argmax takes the first maximum (documented, and so in Inductor's lowering): the first visible
+    # key, and from the flipped row the last. No factory (arange): the trace builds on fake CUDA
+    # tensors in a CPU build of torch too (tests/inductor_trace.py).
     Lk = rows.shape[-1]
-    pos = torch.arange(Lk, device=rows.device, dtype=torch.int32)
-    lo = torch.where(visible, pos, Lk).amin(-1)
-    hi = torch.where(visible, pos + 1, 0).amax(-1)
-    none = hi == 0
+    live = visible.to(torch.int32)
+    lo = live.argmax(-1)
+    hi = Lk - live.flip(-1).argmax(-1)
+    none = live.amax(-1) == 0
     lo = torch.where(none, 0, lo)
     hi = torch.where(none, Lk, hi)
     return torch.stack([lo, hi], -1).to(torch.int32)
