@@ -15,6 +15,7 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor, sdpa | a matched site: the fastest measured of our op, the site as it is (Inductor's for a hand-written one, SDPA itself for an SDPA call) and, for a hand-written one, an SDPA call in its place (auto); always our op; never (left as written); or an SDPA call wherever the site can be one (sdpa; else our op) | patterns/choice.py |
 | FUSE_PLUGIN_ROTARY_SITES | auto, ours, off | a matched rotary embedding: left as written where a graph is compiled for CUDA with static shapes and the rotary is not folded into an attention (auto: Inductor fuses the eager spelling into its neighbours, measured faster than our op's decomposition); always our op (ours); never (off) | patterns/choice.py |
 | FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
+| FUSE_PLUGIN_KEY_PADDING_SKIP | off, on | on: the general kernels skip the key blocks a per-key padding mask hides (kernels/key_range.py); off (the default until it is measured on a GPU): every key block is visited and the padded ones masked | kernels/key_range.py |
 
 Booleans take ``1 true on yes`` and ``0 false off no``, in any case; choices take their listed
 values in any case; surrounding blanks are ignored and an unset or blank switch has its default.
@@ -55,6 +56,7 @@ ATTENTION_FAMILY = "FUSE_PLUGIN_ATTENTION_FAMILY"
 SITE_CHOICE = "FUSE_PLUGIN_SITE_CHOICE"
 SDPA_SITES = "FUSE_PLUGIN_SDPA_SITES"
 ROTARY_SITES = "FUSE_PLUGIN_ROTARY_SITES"
+KEY_PADDING_SKIP = "FUSE_PLUGIN_KEY_PADDING_SKIP"
 
 TRUE = ("1", "true", "on", "yes")
 FALSE = ("0", "false", "off", "no")
@@ -176,6 +178,15 @@ def sdpa_sites() -> bool:
     return boolean(SDPA_SITES, True)
 
 
+def key_padding_skip() -> bool:
+    """Do the general attention kernels skip the key blocks a per-key padding mask hides
+    (`FUSE_PLUGIN_KEY_PADDING_SKIP`, kernels/key_range.py)? Off by default until the kernels have
+    run on a GPU (written and tested in Triton's interpreter, stop 31): every key block is visited
+    and the padded ones masked, as before (a benchmark's "dense padding vector" side).
+    Read per call, so traced graphs key on it (``key``)."""
+    return boolean(KEY_PADDING_SKIP, False)
+
+
 # ------------------------------------------------------------------------------------------------
 # Per thread
 # ------------------------------------------------------------------------------------------------
@@ -200,9 +211,10 @@ def key() -> str:
     """What of the settings changes the compiled graph (part of the FX-graph-cache key, see
     autopatch.FusePluginPass.uuid): the rewrite's switches, whether the ops decompose into their
     launches (ops/inductor.py), the launch-config and choice tables they read and the kernel
-    family they are held to. Not here: AUTOPATCH (read once, at import) and CPU_KERNELS (run time;
+    family they are held to, whether the kernels skip padded key blocks. Not here: AUTOPATCH (read
+    once, at import) and CPU_KERNELS (run time;
     a CPU op stays one opaque call in the graph)."""
     return (f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()},"
             f"inductor_launch={inductor_launch()},table={attention_table()},"
             f"choices={choice_table()},family={attention_family()},site={site_choice()},"
-            f"sdpa={sdpa_sites()},rotary={rotary_sites()}")
+            f"sdpa={sdpa_sites()},rotary={rotary_sites()},key_padding_skip={key_padding_skip()}")

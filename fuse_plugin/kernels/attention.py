@@ -90,6 +90,13 @@ Speed
 * Masks only where needed: the key loop of the forward (and the query loop of the backward) is
   split into blocks that are fully visible (no causal or length mask math at all) and the few
   diagonal / last-partial blocks that need the mask.
+* Padding: under a per-key padding mask (``BIAS_KEYS``: a bias with query stride 0, no dbias
+  asked, no window/chunks/documents, Lk >= ``key_range.MIN_KEYS``) the general kernels read the
+  live key range [k_lo, k_hi) of each (batch[, head]) from a small int32 table computed per call
+  on the device (kernels/key_range.py, ``KEY_RANGE``) and skip the key blocks outside it: the
+  forward's and dQ's key loops, the dK/dV programs' query loops (their blocks store zeros).
+  Exact: a hidden key's weight is 0 wherever its row sees a visible key (key_range.py).
+  ``FUSE_PLUGIN_KEY_PADDING_SKIP=off`` keeps every block (settings.py).
 * Head dims that are not a power of 2 can be split (``AttentionConfig.split_d``) into two
   power-of-2 parts, e.g. 80 = 64 + 16 and 96 = 64 + 32, each its own ``tl.dot``, instead of
   padding the head dim to 128.

@@ -21,6 +21,8 @@ from .attention_tiles import (
     _dropout_keep,
     _exp,
     _key_block_program,
+    _live_key_blocks,
+    _live_query_end,
     _load_d,
     _load_qk,
     _load_tile,
@@ -278,7 +280,7 @@ def _bwd_step(k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_b
 
 @triton.jit
 def attention_bwd_kernel(
-    Q, K, V, Bias, Rep, DO, DQA, DK, DV, DS, Delta, RowM, RowR, Cos, Sin, Out, Lse, DQ, Docs,
+    Q, K, V, Bias, Rep, DO, DQA, DK, DV, DS, Delta, RowM, RowR, Cos, Sin, Out, Lse, DQ, Docs, KeyRange,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -293,7 +295,7 @@ def attention_bwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    Hq, Hkv, kv_group, Lq, Lk, window, stride_docb, score_scale, sm_scale,
+    Hq, Hkv, kv_group, Lq, Lk, window, stride_docb, stride_krb, stride_krh, score_scale, sm_scale,
     Seed, drop_thresh, inv_keep, group_split, split_stride_dk, split_stride_dv, cap,
     D: tl.constexpr, Dv: tl.constexpr, ONE_KEY_BLOCK: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
@@ -303,6 +305,7 @@ def attention_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
     D2: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
+    KEY_RANGE: tl.constexpr = False,
 ):
     """dK, dV of one key block of one KV head (looping over the query blocks of every query head
     of its GQA group), and that block's share of dQ (atomics into the fp32 buffer DQA, contiguous
@@ -316,7 +319,12 @@ def attention_bwd_kernel(
     ONE_KEY_BLOCK (Lk <= BLOCK_N: one key block, so each program owns whole rows of dQ): no
     preprocess kernel and no fp32 buffer. The statistics come from Out/Lse ((B, Hq, Lq, Dv) and
     (B, Hq, Lq), any strides) and dQ is stored into DQ ((B, Hq, Lq, D), q's dtype): the whole
-    backward is this one launch (Delta/RowM/RowR/DQA are then unused)."""
+    backward is this one launch (Delta/RowM/RowR/DQA are then unused).
+
+    KEY_RANGE (a per-key padding mask's live keys, KeyRange: int32 [k_lo, k_hi) per (batch,
+    head), kernels/key_range.py; never with a window, ONE_KEY_BLOCK or NEED_DS): each query
+    head's query range is cut to ``_live_query_end``; a key block outside the live keys visits
+    no query block and stores exact zeros for dK/dV."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
     score_scale, sm_scale, inv_keep, cap = (
         tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
@@ -373,6 +381,14 @@ def attention_bwd_kernel(
         o_base = Out + b * stride_ob + h * stride_oh
         lse_base = Lse + b * stride_lb + h * stride_lh
         dq_out_base = DQ + b * stride_dqb + h * stride_dqh
+        if KEY_RANGE:  # this head's live query rows for the key block (never with a window)
+            q_end = _live_query_end(KeyRange + b * stride_krb + h * stride_krh, start_n, Lq,
+                                    IS_CAUSAL, BLOCK_N)
+            mid_h = tl.minimum(mid, q_end)
+            n_full_h = tl.cdiv(tl.maximum(q_end - mid_h, 0), BLOCK_M)
+        else:
+            mid_h = mid
+            n_full_h = n_full
         if NEED_DS:
             # Key block hidden from query blocks [0, lo) by the causal mask: dS = 0 there.
             zero = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -396,7 +412,7 @@ def attention_bwd_kernel(
                     HALF_TABLE, IS_CAUSAL, BIAS_KIND, True, NEED_DS, PRECISION, UPCAST_DOT,
                     BLOCK_M, WINDOW, window, doc_base)
         else:
-            for start_m in range(lo, mid, BLOCK_M):
+            for start_m in range(lo, mid_h, BLOCK_M):
                 dk0, dk1, dk2, dv0, dv1 = _bwd_step(
                     k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
                     ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
@@ -410,8 +426,8 @@ def attention_bwd_kernel(
                     window, doc_base)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
         # one head do not all add into the same dQ rows at the same time.
-        for j in range(0, n_full):
-            start_m = mid + ((j + pid_n) % n_full) * BLOCK_M
+        for j in range(0, n_full_h):
+            start_m = mid_h + ((j + pid_n) % n_full_h) * BLOCK_M
             dk0, dk1, dk2, dv0, dv1 = _bwd_step(
                 k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,
@@ -508,7 +524,7 @@ def attention_dq_rope_cast_kernel(
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, Bias, Rep, DO, DK, DV, Delta, RowM, RowR, Cos, Sin, Docs,
+    Q, K, V, Bias, Rep, DO, DK, DV, Delta, RowM, RowR, Cos, Sin, Docs, KeyRange,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -519,7 +535,8 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, Hkv, kv_group, Lq, Lk, window, stride_docb, D: tl.constexpr, Dv: tl.constexpr, score_scale,
+    Hq, Hkv, kv_group, Lq, Lk, window, stride_docb, stride_krb, stride_krh, D: tl.constexpr,
+    Dv: tl.constexpr, score_scale,
     sm_scale,
     Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, DROPOUT: tl.constexpr,
@@ -527,11 +544,12 @@ def attention_bwd_dkdv_kernel(
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr, KEY_RANGE: tl.constexpr = False,
 ):
     """dK, dV of one key block of one KV head. Works on transposed (keys x queries) tiles so that
     both accumulations are plain dots: dV += P^T dO, dK += dS^T Q * scale. q/k as head-dim parts
-    (without rope one tile: D0 = the padded head dim, D1 = D2 = 0)."""
+    (without rope one tile: D0 = the padded head dim, D1 = D2 = 0). KEY_RANGE: each query head's
+    rows cut to ``_live_query_end`` (a padding mask's live keys; zeros for a block outside them)."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
     score_scale, sm_scale, inv_keep, cap = (
         tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
@@ -583,7 +601,12 @@ def attention_bwd_dkdv_kernel(
         cq_base = Cos + b * stride_cqb + h * stride_cqh
         sq_base = Sin + b * stride_cqb + h * stride_cqh
         stat_base = (b * Hq + h) * Lq
-        for start_m in range(lo, end, BLOCK_M):
+        if KEY_RANGE:  # this head's live query rows for the key block (never with a window)
+            end_h = tl.minimum(end, _live_query_end(KeyRange + b * stride_krb + h * stride_krh,
+                                                    start_n, Lq, IS_CAUSAL, BLOCK_N))
+        else:
+            end_h = end
+        for start_m in range(lo, end_h, BLOCK_M):
             q0, q1, q2 = _load_qk(q_base, start_m, Lq, stride_qm, stride_qd, cq_base, sq_base,
                                   stride_cqm, stride_cqd, D, D0, D1, D2, ROT, INTERLEAVED,
                                   HALF_TABLE, BLOCK_M)
@@ -641,7 +664,7 @@ def attention_bwd_dkdv_kernel(
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, Bias, Rep, DO, DQ, DS, Delta, RowM, RowR, Cos, Sin, Docs,
+    Q, K, V, Bias, Rep, DO, DQ, DS, Delta, RowM, RowR, Cos, Sin, Docs, KeyRange,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -652,7 +675,8 @@ def attention_bwd_dq_kernel(
     stride_dsb, stride_dsh, stride_dsm, stride_dsn,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, kv_group, Lq, Lk, window, stride_docb, D: tl.constexpr, Dv: tl.constexpr, score_scale,
+    Hq, kv_group, Lq, Lk, window, stride_docb, stride_krb, stride_krh, D: tl.constexpr,
+    Dv: tl.constexpr, score_scale,
     sm_scale,
     Seed, drop_thresh, inv_keep, cap,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, NEED_DS: tl.constexpr,
@@ -661,10 +685,12 @@ def attention_bwd_dq_kernel(
     PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, D2: tl.constexpr, ROT: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr, KEY_RANGE: tl.constexpr = False,
 ):
     """dQ of one query block (dQ += dS K * scale over the visible key blocks); with NEED_DS also
-    writes every element of that block's rows of dS (zeros for causally skipped key blocks)."""
+    writes every element of that block's rows of dS (zeros for causally skipped key blocks).
+    KEY_RANGE: the key blocks cut to a padding mask's live keys (``_live_key_blocks``; never with
+    NEED_DS or a window)."""
     # Inductor passes float arguments as fp64 (kernels/launch.py): the math stays fp32.
     score_scale, sm_scale, inv_keep, cap = (
         tl.cast(score_scale, tl.float32), tl.cast(sm_scale, tl.float32),
@@ -717,6 +743,11 @@ def attention_bwd_dq_kernel(
         lo = (_band_lo(start_m, window, WINDOW) // BLOCK_N) * BLOCK_N
     else:
         lo = 0
+    if KEY_RANGE:
+        live_lo, k_hi = _live_key_blocks(KeyRange + b * stride_krb + h * stride_krh, start_m,
+                                         IS_CAUSAL, BLOCK_N)
+        lo = tl.maximum(lo, live_lo)
+        hi = tl.minimum(hi, k_hi)
     for start_n in range(lo, hi, BLOCK_N):
         k0, k1, k2 = _load_qk(k_base, start_n, Lk, stride_kn, stride_kd, ck_base, sk_base,
                               stride_ckn, stride_ckd, D, D0, D1, D2, ROT, INTERLEAVED,

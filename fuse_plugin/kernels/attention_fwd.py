@@ -17,6 +17,7 @@ from .attention_tiles import (
     _load_d,
     _load_qk,
     _capped_scores,
+    _cut_key_blocks,
     _store_d,
     _zero_parts,
 )
@@ -99,7 +100,7 @@ def _fwd_step(q0, q1, q2, m_i, l_i, acc0, acc1, k_base, v_base, bias_base, ck_ba
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, Bias, Rep, Out, Lse, Cos, Sin, Docs, Sinks,
+    Q, K, V, Bias, Rep, Out, Lse, Cos, Sin, Docs, Sinks, KeyRange,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -109,7 +110,7 @@ def attention_fwd_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_cqb, stride_cqh, stride_cqm, stride_cqd,
     stride_ckb, stride_ckh, stride_ckn, stride_ckd,
-    Hq, kv_group, Lq, Lk, window, stride_docb, score_scale,
+    Hq, kv_group, Lq, Lk, window, stride_docb, stride_krb, stride_krh, score_scale,
     Seed, drop_thresh, inv_keep, cap,
     D: tl.constexpr, Dv: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, BIAS_KIND: tl.constexpr, SCALE_POS: tl.constexpr,
@@ -119,7 +120,7 @@ def attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D0: tl.constexpr, D1: tl.constexpr, DV0: tl.constexpr, DV1: tl.constexpr,
     D2: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_TABLE: tl.constexpr,
-    SINKS: tl.constexpr = False,
+    SINKS: tl.constexpr = False, KEY_RANGE: tl.constexpr = False,
 ):
     # 1-D grid (a 2-D one would cap B*Hq at 65535 on the y axis). Query blocks of one head are
     # adjacent so they share K/V in L2; the last (causally heaviest) block is launched first.
@@ -171,6 +172,10 @@ def attention_fwd_kernel(
     else:
         lo, full_lo, full_end, hi = _key_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N, WINDOW,
                                                 window)
+        if KEY_RANGE:  # a padding mask's live keys (kernels/key_range.py; never with a window)
+            lo, full_lo, full_end, hi = _cut_key_blocks(KeyRange + b * stride_krb + h * stride_krh,
+                                                        start_m, lo, full_lo, full_end, hi,
+                                                        IS_CAUSAL, BLOCK_N)
     if WINDOW:
         for start_n in range(lo, full_lo, BLOCK_N):
             m_i, l_i, acc0, acc1 = _fwd_step(

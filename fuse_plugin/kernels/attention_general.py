@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from triton.runtime.errors import OutOfResources
 
-from . import host
+from . import host, key_range
 from .attention_bwd import (
     attention_bwd_dkdv_kernel,
     attention_bwd_dq_kernel,
@@ -191,9 +191,17 @@ def _sizes(call) -> dict:
             "stride_docb": call.doc_stride, "D": D, "Dv": Dv}
 
 
-def _address_reads(call) -> tuple:
-    """The documents table, whose values bound the backward's loops (launch.py ``address_reads``)."""
-    return ("Docs",) if call.documents is not None else ()
+def _address_reads(call, keys: dict) -> tuple:
+    """The tables whose values bound the kernels' loops (launch.py ``address_reads``): the
+    documents table, a padding mask's key range (``keys``: ``_key_range``'s arguments)."""
+    return (("Docs",) if call.documents is not None else ()) + (
+        ("KeyRange",) if keys["KEY_RANGE"] else ())
+
+
+def _key_range(call, block_n: int) -> dict:
+    """A per-key padding mask's live key range (kernels/key_range.py): KeyRange, its strides and
+    KEY_RANGE (off: a dummy, never read)."""
+    return key_range.args(call, block_n)
 
 
 def _scores(call) -> dict:
@@ -224,6 +232,7 @@ def run_forward(call, cfg: AttentionConfig, out_buf: torch.Tensor, lse: torch.Te
         (d0, d1, d2), (dv0, dv1), tiles = _geometry(call, cfg)
         bm, bn = cfg.block_m, cfg.block_n
         check_tile_offsets(tiles + [("out", *out.stride()[2:], bm, dv0 + dv1)])
+        keys = _key_range(call, bn)
         launch(
             attention_fwd_kernel, (cdiv(Lq, bm) * B * Hq,),
             **_inputs(call), Out=out_buf, Lse=lse, Sinks=call.sink_t,
@@ -232,9 +241,9 @@ def run_forward(call, cfg: AttentionConfig, out_buf: torch.Tensor, lse: torch.Te
             SCALE_POS=bool(call.scale >= 0), DROPOUT=call.dropout, SOFTCAP=call.softcapped,
             **_common(call),
             BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **call.rc,
-            SINKS=call.sinks is not None,
+            SINKS=call.sinks is not None, **keys,
             writes=("Out", "Lse"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            address_reads=_address_reads(call),
+            address_reads=_address_reads(call, keys),
         )
 
     with_retry(run, cfg, call.config is not None, _rope_variant(call))
@@ -366,6 +375,7 @@ def _launch_atomic(call, cfg, g, stats, dk_out, dv_out, dk_strides, dv_strides, 
                                 ("out", *out.stride()[2:], bm, dv0 + dv1),
                                 ("dq", *g.dq.stride()[2:], bm, max(d0 + d1 + d2, D))])
     ds_t, ds_strides = g.ds_args(q)
+    keys = _key_range(call, bn)  # (never with one key block: it needs two)
     launch(
         attention_bwd_kernel, (cdiv(Lk, bn) * B * Hkv * split,),
         **_inputs(call), DO=dout, DQA=dqa, DK=dk_out, DV=dv_out, DS=ds_t, Delta=delta, RowM=row_m,
@@ -377,9 +387,9 @@ def _launch_atomic(call, cfg, g, stats, dk_out, dv_out, dk_strides, dv_strides, 
         group_split=split, split_stride_dk=split_strides[0], split_stride_dv=split_strides[1],
         ONE_KEY_BLOCK=one_block, NEED_DS=call.need_dbias, DROPOUT=call.dropout,
         SOFTCAP=call.softcapped, **_common(call),
-        BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **call.rc,
+        BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=dv0, DV1=dv1, D2=d2, **call.rc, **keys,
         writes=("DQ" if one_block else "DQA", "DK", "DV") + (("DS",) if call.need_dbias else ()),
-        address_reads=_address_reads(call),
+        address_reads=_address_reads(call, keys),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return one_block
@@ -426,7 +436,7 @@ def run_backward_pair(call, cfg: AttentionConfig):
                         ("bias", *call.sb[2:], bm, bn), ("replace", *call.sr[2:], bm, bn),
                         ("dbias", Lk, 1, bm, bn)]
                        + _table_tiles(call, bm, bn))
-    stats = dict(Delta=delta, RowM=row_m, RowR=row_r)
+    stats = dict(Delta=delta, RowM=row_m, RowR=row_r, **_key_range(call, bn))
     scalars = dict(_sizes(call), **_scores(call), sm_scale=call.scale, **_dropout(call))
     consts = dict(_common(call), DROPOUT=call.dropout, SOFTCAP=call.softcapped, BLOCK_M=bm,
                   BLOCK_N=bn, BLOCK_DV=bdv, D0=one[0], D1=one[1], D2=one[2], **call.rc,
@@ -438,7 +448,7 @@ def run_backward_pair(call, cfg: AttentionConfig):
         **strides("dv", g.dv, KEY_ROWS),
         **scalars, Hkv=Hkv,
         **consts, writes=("DK", "DV"),
-        address_reads=_address_reads(call),
+        address_reads=_address_reads(call, stats),
     )
     ds_t, ds_strides = g.ds_args(q)
     launch(
@@ -448,7 +458,7 @@ def run_backward_pair(call, cfg: AttentionConfig):
         **strides("ds", ds_strides, SCORES),
         **scalars,
         NEED_DS=call.need_dbias, **consts, writes=("DQ",) + (("DS",) if call.need_dbias else ()),
-        address_reads=_address_reads(call),
+        address_reads=_address_reads(call, stats),
     )
     return g.dq, g.dk, g.dv, g.dbias
 

@@ -231,6 +231,51 @@ def _doc_query_blocks(docs, start_n, Lq, Lk, IS_CAUSAL: tl.constexpr, BLOCK_M: t
 
 
 @triton.jit
+def _live_key_blocks(key_range, start_m, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(lo, hi)``: the keys a query block at ``start_m`` must visit under a per-key padding
+    mask's live range (KEY_RANGE; ``key_range``: the [k_lo, k_hi) int32 pair of the block's
+    (batch, head), kernels/key_range.py). lo is k_lo's key block start; hi is k_hi. Causal: 0
+    where the block's first row is below k_lo (rows i < k_lo see only hidden keys, which a
+    finfo.min bias leaves as eager's uniform average: those rows keep every key up to i)."""
+    k_lo = tl.load(key_range)
+    k_hi = tl.load(key_range + 1)
+    if IS_CAUSAL:
+        k_lo = tl.where(start_m >= k_lo, k_lo, 0)
+    return (k_lo // BLOCK_N) * BLOCK_N, k_hi
+
+
+@triton.jit
+def _cut_key_blocks(key_range, start_m, lo, full_lo, full_end, hi, IS_CAUSAL: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """``_key_blocks``' ``(lo, full_lo, full_end, hi)`` cut to the live keys (``_live_key_blocks``;
+    without a window, whose lower edge this does not compose with). The edge blocks stay exact:
+    the bias is read and applied in every visited block."""
+    live_lo, k_hi = _live_key_blocks(key_range, start_m, IS_CAUSAL, BLOCK_N)
+    lo = tl.maximum(lo, live_lo)
+    full_lo = tl.maximum(full_lo, live_lo)
+    full_end = tl.maximum(tl.minimum(full_end, tl.cdiv(k_hi, BLOCK_N) * BLOCK_N), full_lo)
+    hi = tl.minimum(hi, k_hi)
+    return lo, full_lo, full_end, hi
+
+
+@triton.jit
+def _live_query_end(key_range, start_n, Lq, IS_CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The end of the query rows a key block at ``start_n`` must visit under a per-key padding
+    mask's live range [k_lo, k_hi) (KEY_RANGE, ``_live_key_blocks``): Lq where the block overlaps
+    it; 0 where it lies from k_hi on (every row that sees it sees a visible key: its weights are
+    exact zeros) or, without causal, below k_lo; causal and below k_lo, k_lo (rows i < k_lo see
+    only hidden keys, and give them eager's weights; later rows give them 0)."""
+    k_lo = tl.load(key_range)
+    k_hi = tl.load(key_range + 1)
+    below = start_n + BLOCK_N <= k_lo
+    if IS_CAUSAL:
+        end = tl.where(below, tl.minimum(k_lo, Lq), Lq)
+    else:
+        end = tl.where(below, 0, Lq)
+    return tl.where(start_n >= k_hi, 0, end)
+
+
+@triton.jit
 def _key_block_program(Lk, Hkv, kv_group, group_split, BLOCK_N: tl.constexpr):
     """What a program of the atomic backward owns: ``(pid_n, split, b, kvh, heads_per_split)``,
     key block ``pid_n`` (block 0, the causally heaviest, first) of KV head ``kvh`` of batch ``b``,
