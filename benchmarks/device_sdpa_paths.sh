@@ -9,7 +9,7 @@ source "$(dirname "$0")/device_setup.sh"
 PART=${PART:?PART=zoo or PART=generate}
 [ "$PART" = zoo ] && for mode in reduce-overhead default; do
   ( cd benchmarks && python3 zoo.py --modes $mode --models vit_s16,eva02_ti --variants compile,fused+compile,plugin-fused \
-      --parallel 4 --deadline ${ZOO_DEADLINE:-170} --out "$OUT/zoo_fused_$mode.md" > "$OUT/zoo_fused_$mode.log" 2>&1 )
+      --parallel 4 --deadline ${ZOO_DEADLINE:-260} --out "$OUT/zoo_fused_$mode.md" > "$OUT/zoo_fused_$mode.log" 2>&1 )
   echo "zoo $mode rc=$?"
 done
 [ "$PART" = generate ] && ( cd benchmarks && timeout ${GEN_LIMIT:-540} python3 generate.py --variants sdpa+compile,plugin-sdpa \
