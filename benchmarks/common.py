@@ -41,6 +41,48 @@ def graph_ms(fn, rep: int = 50) -> float:
     return min(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") for _ in range(2))
 
 
+def timed_run(step, steps: int, sync=None) -> float:
+    """Wall seconds of ``steps`` calls of ``step``, synchronised once (``sync``, default
+    torch.cuda.synchronize) at the end, with Python's garbage collector off (as timeit does): a
+    collection of the process's millions of objects (every variant's model and compiled graphs)
+    takes tens of ms and lands at random in one variant's round, which spread host-bound cells by
+    up to 50% (stop 17's bert-train rounds). Collected after. shapes.py, zoo.py, padding.py."""
+    import gc
+
+    import torch
+
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        (sync or torch.cuda.synchronize)()
+        return time.perf_counter() - t0
+    finally:
+        gc.enable()
+        gc.collect()
+
+
+def sdpa_autograd_ms(q, k, v, mask) -> dict:
+    """{"fwd", "bwd"} device ms of F.scaled_dot_product_attention with ``mask`` and its autograd
+    backward (total minus forward), plain do_bench, best of two medians: timed without CUDA graphs,
+    as autograd's SDPA backward fails inside a capture (H100, torch 2.11: 'operation would make the
+    legacy stream depend on a capturing blocking stream'); its kernels take milliseconds at the
+    shapes timed, so the host's launch time is hidden. documents.py, padding.py."""
+    import torch
+    import torch.nn.functional as F
+    import triton
+
+    def bench(fn):
+        return min(triton.testing.do_bench(fn, rep=100, return_mode="median") for _ in range(2))
+
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    dout = torch.randn_like(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    total = bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), (q, k, v), dout))
+    return {"fwd": fwd, "bwd": max(total - fwd, 0.0)}
+
+
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 

@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
-import triton
-from common import emit, graph_ms, report_check
+from common import emit, graph_ms, report_check, sdpa_autograd_ms
 
 import fuse_plugin  # noqa: F401  (registers torch.ops.fuse_plugin)
 from fuse_plugin.kernels import registry
@@ -55,21 +53,6 @@ def timed(q, k, v, doc, family, bench) -> dict:
         dout = torch.randn_like(out)
         return {"fwd": bench(lambda: attention_forward(q, k, v, None, **kw)),
                 "bwd": bench(lambda: attention_backward(dout, q, k, v, None, out, lse, need_dbias=False, **kw))}
-
-
-def timed_sdpa(q, k, v, mask) -> dict:
-    """SDPA with the dense mask, timed without CUDA graphs (autograd's backward of SDPA fails inside
-    a capture, H100, torch 2.11: 'operation would make the legacy stream depend on a capturing
-    blocking stream'); its kernels take milliseconds here, so the host's launch time is hidden."""
-    def bench(fn):
-        return min(triton.testing.do_bench(fn, rep=100, return_mode="median") for _ in range(2))
-
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    dout = torch.randn_like(out)
-    fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-    total = bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), (q, k, v), dout))
-    return {"fwd": fwd, "bwd": max(total - fwd, 0.0)}
 
 
 def registry_families(q, k, v) -> str:
@@ -124,7 +107,7 @@ def main():
         mask = keep_mask(doc)
         cg = timed(q, k, v, None, "general", bench)
         dc = timed(q, k, v, doc, None, bench)
-        sd = timed_sdpa(q, k, v, mask)
+        sd = sdpa_autograd_ms(q, k, v, mask)
         r = mask.sum().item() / (L * (L + 1) / 2)
         vs = (dc["fwd"] + dc["bwd"]) / (r * (cg["fwd"] + cg["bwd"]))
         vs_sdpa = (sd["fwd"] + sd["bwd"]) / (dc["fwd"] + dc["bwd"])

@@ -35,7 +35,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from common import emit, graph_ms
+from common import emit, graph_ms, sdpa_autograd_ms, timed_run
 
 import fuse_plugin  # noqa: F401  (registers the backend and torch.ops.fuse_plugin)
 from fuse_plugin import settings
@@ -91,20 +91,6 @@ def timed_ours(q, k, v, mask, on: bool) -> dict:
         dout = torch.randn_like(out)
         return {"fwd": graph_ms(lambda: attention_forward(q, k, v, bias, **kw)),
                 "bwd": graph_ms(lambda: attention_backward(dout, q, k, v, bias, out, lse, need_dbias=False, **kw))}
-
-
-def timed_sdpa(q, k, v, mask) -> dict:
-    import triton
-
-    def bench(fn):
-        return min(triton.testing.do_bench(fn, rep=100, return_mode="median") for _ in range(2))
-
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    dout = torch.randn_like(out)
-    fwd = bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-    total = bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), (q, k, v), dout))
-    return {"fwd": fwd, "bwd": max(total - fwd, 0.0)}
 
 
 def check(lens, L, form) -> dict:
@@ -170,22 +156,6 @@ def _held(family):
     return registry.forced(family) if family != "auto" else contextlib.nullcontext()
 
 
-def timed_steps(step, steps: int) -> float:
-    import gc
-    import time
-
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
-        gc.collect()
-
-
 def attention_share(step, n: int = 5) -> tuple[float, float, float]:
     """(attention GPU us per step, all kernels' GPU us per step, share) under torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
@@ -207,7 +177,7 @@ def model_rows(args, lens) -> list[str]:
     for _ in range(args.rounds):
         for on, (step, _) in steps.items():
             with _held(family), skip(on):
-                times[on].append(timed_steps(step, args.steps))
+                times[on].append(timed_run(step, args.steps))
     tokens = lens.numel() * MODEL_LEN * args.steps
     tps = {on: tokens / sorted(ts)[len(ts) // 2] for on, ts in times.items()}
     share = {}
@@ -260,7 +230,7 @@ def main():
         q, k, v = (torch.randn(args.batch, HEADS, L, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
         mask = padding_mask(lens, L, args.mask)
-        dense, on, sdpa = timed_ours(q, k, v, mask, False), timed_ours(q, k, v, mask, True), timed_sdpa(q, k, v, mask)
+        dense, on, sdpa = timed_ours(q, k, v, mask, False), timed_ours(q, k, v, mask, True), sdpa_autograd_ms(q, k, v, mask)
         tot = {n: t["fwd"] + t["bwd"] for n, t in (("dense", dense), ("skip", on), ("sdpa", sdpa))}
         lines.append(f"| {L} | {1 - lens.float().mean().item() / L:.0%} | {live_share(lens, L):.2f} | "
                      f"{dense['fwd']:.3f} / {dense['bwd']:.3f} | {on['fwd']:.3f} / {on['bwd']:.3f} | "

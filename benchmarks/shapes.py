@@ -55,7 +55,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import emit, profile_steps
+from common import emit, profile_steps, timed_run
 from torch import nn
 
 import fuse_plugin
@@ -238,23 +238,6 @@ def make_step(fn, kind, inputs, labels, opt, cudagraphs, precision="bf16"):
     return step
 
 
-def _timed_run(step, steps: int) -> float:
-    """Wall seconds of ``steps`` steps, synchronised once, with Python's garbage collector off
-    (as timeit does): a collection of the process's millions of objects (every variant's model
-    and compiled graphs) takes tens of ms and lands at random in one variant's round, which
-    spread host-bound cells by up to 50% (stop 17's bert-train rounds). Collected after."""
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
-        gc.collect()
-
-
 def _variant_context(variant):
     return fuse_plugin.disabled() if not variant.startswith("plugin") else contextlib.nullcontext()
 
@@ -315,7 +298,7 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
     for _ in range(rounds):
         for variant, (step, *_rest) in steps_of.items():
             with _variant_context(variant):
-                times[variant].append(_timed_run(step, steps))
+                times[variant].append(timed_run(step, steps))
     for variant in steps_of:
         ts = sorted(times[variant])
         results[(name, mode, variant)] = items * steps / ts[len(ts) // 2]

@@ -92,7 +92,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import emit, profile_steps
+from common import emit, profile_steps, timed_run
 from torch import nn
 
 VARIANTS = ("compile", "fused+compile", "plugin")
@@ -309,21 +309,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed_run(step, steps: int, device: str) -> float:
-    """Wall seconds of ``steps`` steps synchronised once, the garbage collector off (collected
-    after), as shapes.py's _timed_run."""
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        sync(device)
-        return time.perf_counter() - t0
-    finally:
-        gc.enable()
-        gc.collect()
-
-
 def _variant_context(variant):
     """The plugin off for every variant but ``plugin`` (the automatic patch would rewrite them)."""
     return contextlib.nullcontext() if variant in PLUGIN + ("eager",) else _plugin().disabled()
@@ -467,7 +452,7 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
     for _ in range(args.rounds):
         for variant, (step, _kept) in steps.items():
             with _variant_context(variant):
-                times[variant].append(_timed_run(step, args.steps, args.device))
+                times[variant].append(timed_run(step, args.steps, lambda: sync(args.device)))
     row["recompiles"], row["timing_s"] = graphs_compiled() - graphs, time.perf_counter() - t1
     for variant, rounds in times.items():
         ts, cell = sorted(rounds), row["variants"][variant]
