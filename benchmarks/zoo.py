@@ -24,7 +24,10 @@ stock torch.compile (the plugin kept off while it compiles and runs, ``fuse_plug
 ``fused+compile`` = timm's fused path (F.scaled_dot_product_attention) + stock torch.compile;
 ``plugin`` = hand-written attention + torch.compile(backend="fuse_plugin"); optional ``eager`` =
 hand-written attention, no compile; optional ``plugin-fused`` = timm's fused path compiled with the
-plugin (its SDPA call sites weighed by the choice, issue 30), with its own ratio over the same best. Method as shapes.py: every variant of a row is built in one
+plugin (its SDPA call sites weighed by the choice, issue 30), with its own ratio over the same best.
+``BASE@SWITCH=value`` (e.g. ``plugin-fused@ROTARY_SITES=ours``): variant BASE compiled with
+``FUSE_PLUGIN_<SWITCH>=value`` (docs/SETTINGS.md), a column of its own beside BASE's (its own
+graph: Dynamo's cache is keyed on the plugin's switches, fuse_plugin/dynamo_cache.py). Method as shapes.py: every variant of a row is built in one
 process (its own model, seeded alike, compiled with 3 warm-up steps), then ``--rounds`` rounds in
 which the variants take turns, each running ``--steps`` steps synchronised once, the garbage
 collector off inside a timed run; a cell is the median of its rounds in images/s (best in
@@ -309,9 +312,34 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def base(variant: str) -> str:
+    """The variant a ``BASE@SWITCH=value`` spelling runs (module doc), e.g. ``plugin-fused``."""
+    return variant.split("@", 1)[0]
+
+
+@contextlib.contextmanager
+def switch_of(variant: str):
+    """``FUSE_PLUGIN_<SWITCH>=value`` set while a ``BASE@SWITCH=value`` variant compiles (the
+    plugin's choices are made at trace time); nothing for a plain variant."""
+    if "@" not in variant:
+        yield
+        return
+    name, _, value = variant.split("@", 1)[1].partition("=")
+    env = "FUSE_PLUGIN_" + name.upper()
+    old = os.environ.get(env)
+    os.environ[env] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[env]
+        else:
+            os.environ[env] = old
+
+
 def _variant_context(variant):
     """The plugin off for every variant but ``plugin`` (the automatic patch would rewrite them)."""
-    return contextlib.nullcontext() if variant in PLUGIN + ("eager",) else _plugin().disabled()
+    return contextlib.nullcontext() if base(variant) in PLUGIN + ("eager",) else _plugin().disabled()
 
 
 def parity(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -355,6 +383,7 @@ def build_variant(model_name, variant, task, mode, images, labels, ref, args):
     """One variant of a row: its model (seeded like the others), compile, 3 warm-up steps; returns
     (step, kept objects, cell dict with compile seconds, graphs, parity and plugin counts)."""
     t0 = time.perf_counter()
+    variant, spelled = base(variant), variant
     model = create(model_name)
     set_fused_attn(model, variant in ("fused+compile", "plugin-fused"))
     model = model.to(device=args.device, dtype=args.dtype).train(task == "train")
@@ -372,7 +401,7 @@ def build_variant(model_name, variant, task, mode, images, labels, ref, args):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if task == "train" else None
     step = make_step(fn, task, images, labels, opt, mode == "reduce-overhead" and variant != "eager")
     graphs, counts = graphs_compiled(), plugin_counts() if variant in PLUGIN else None
-    with _variant_context(variant):
+    with _variant_context(variant), switch_of(spelled):
         logits = step(capture=True)  # compiles; its logits are of the weights `ref` saw
         for _ in range(2):  # CUDA graphs record on the 2nd/3rd call
             step()
@@ -416,8 +445,8 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
         return row
     steps = {}
     for variant in args.variants:
-        if variant in ("fused+compile", "plugin-fused") and not row["fused_path"]:
-            same = "compile" if variant == "fused+compile" else "plugin"
+        if base(variant) in ("fused+compile", "plugin-fused") and not row["fused_path"]:
+            same = "compile" if base(variant) == "fused+compile" else "plugin"
             row["variants"][variant] = {"same_as": same, "why": "no fused path"}
             continue
         try:
@@ -427,7 +456,7 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
             log(f"  built {model_name} {task} {mode} {variant} in {cell['compile_s']:.0f} s: {cell['graphs']} "
                 f"graph(s), parity {cell['max_abs']:.2e} ({cell['rel']:.1e})"
                 + (f", attention fused {cell['attention']} left {cell['attention_left']} rotary {cell['rotary']}"
-                   if variant in PLUGIN else ""))
+                   if base(variant) in PLUGIN else ""))
         except Exception as e:  # reported in the table, the other variants still run
             import traceback
 
@@ -703,7 +732,7 @@ def parse(argv=None):
     args.variants = [v for v in args.variants.split(",") if v]
     for what, given, known in (("tasks", args.tasks, TASKS), ("modes", args.modes, MODES),
                                ("variants", args.variants, ALL_VARIANTS)):
-        unknown = [x for x in given if x not in known]
+        unknown = [x for x in given if (base(x) if what == "variants" else x) not in known]
         if unknown:
             parser.error(f"unknown {what} {unknown}; known: {list(known)}")
     args.device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"

@@ -43,6 +43,8 @@ __version__ = "0.1.0"
 
 from .autopatch import install_from_env as _install_from_env
 from .backend import register_name as _register_name
+from .dynamo_cache import install as _key_dynamo_cache
 
 _install_from_env()
+_key_dynamo_cache()  # a graph compiled under one state of the plugin is not reused under another
 _register_name()  # backend="fuse_plugin" without the entry point (source tree on PYTHONPATH)

@@ -256,27 +256,34 @@ def _dense_mask_dropped(site) -> bool:
     return c is not None and c.name == "sdpa" and c["attn_mask"] is not None and not site.bias_parts
 
 
-# Rotary embeddings (issue 28/30, H100, torch 2.11, bf16, 2026-11-27, shapes.py llama-train-4x2048,
-# 12 layers, HF's sdpa path, its attention left as SDPA): compiled, our rotary op decomposes into
-# the reference math (ops/rotary.py), which Inductor fuses worse than HF's own spelling: the
-# rotary kernels took 1345 us of GPU a step against stock compile's 1028 (673 kernels against
-# 661), and the model ran at 0.98x stock compile. Compiled, the op brings no kernel of its own, so
-# left as written the site is what stock compile runs.
+# Rotary embeddings (issue 28/30, H100, torch 2.11, bf16, 2026-11-27). The rotate-half spelling
+# (HF Llama's), shapes.py llama-train-4x2048, 12 layers, HF's sdpa path, its attention left as SDPA:
+# compiled, our rotary op decomposes into the reference math (ops/rotary.py), which Inductor fuses
+# worse than HF's own spelling: the rotary kernels took 1345 us of GPU a step against stock
+# compile's 1028 (673 kernels against 661), and the model ran at 0.98x stock compile. Compiled,
+# the op brings no kernel of its own, so left as written the site is what stock compile runs.
+# The interleaved spelling (timm EVA-02-Ti, batch 64, 257 tokens, inference under CUDA graphs, its
+# attention our op): left as written, Inductor fused the rotation, the class-token cat and the
+# permute into one kernel of 313 us a step against 155 us with our op, and the model ran at 0.95x
+# fused+compile against 1.06x with our op (zoo.py, plugin-fused vs plugin-fused@ROTARY_SITES=ours,
+# 2026-11-27): interleaved sites stay our op.
 _ROTARY_RULE = ("left as written by rule: compiled for CUDA with static shapes, our rotary op decomposes into "
-                "math that Inductor fused slower than the eager spelling (H100 Llama 4x2048 training: 1345 vs "
-                "1028 us of rotary kernels a step; issue 30, 2026-11-27)")
+                "math that Inductor fused slower than the eager rotate-half spelling (H100 Llama 4x2048 "
+                "training: 1345 vs 1028 us of rotary kernels a step; issue 30, 2026-11-27)")
 
 
-def decide_rotary(x_value, folding: bool) -> Decision:
+def decide_rotary(x_value, folding: bool, interleaved: bool = False) -> Decision:
     """Our rotary op or the site as written, for a rotary site rotating ``x_value`` (its example
     value); ``folding``: the rewrite folds rotary q+k pairs into their attention (rope_attention),
-    which needs our op in the graph first. FUSE_PLUGIN_ROTARY_SITES (settings.rotary_sites)."""
+    which needs our op in the graph first; ``interleaved``: the site rotates channel pairs
+    (2i, 2i+1), measured faster as our op (see above). FUSE_PLUGIN_ROTARY_SITES
+    (settings.rotary_sites)."""
     how = settings.rotary_sites()
     if how == "ours":
         return Decision(True, "")
     if how == "off":
         return Decision(False, f"left as written ({settings.ROTARY_SITES}=off)")
-    if folding or not isinstance(x_value, torch.Tensor) or x_value.device.type != "cuda":
+    if folding or interleaved or not isinstance(x_value, torch.Tensor) or x_value.device.type != "cuda":
         return Decision(True, "")  # measured on CUDA only; on the CPU the op runs our kernels or the reference
     if any(not isinstance(s, int) for s in x_value.shape):
         return Decision(True, "")  # symbolic sizes: the op stays an opaque call running our kernel
