@@ -298,10 +298,12 @@ def sdpa_default_section(data: dict) -> list[str]:
                   [[r["row"], r.get("mode", "default"), _mb(r["sdpa+compile"]), _mb(r["plugin-sdpa"]),
                     f"{r['plugin-sdpa'][0] / r['sdpa+compile'][0]:.2f}"] for r in sh["rows"]])
     out += ["", f"**timm on its fused path** ({zo['unit']}). " + setup_line(zo["provenance"]), ""]
-    out += _table(["model", "task", "compile", "fused+compile", "plugin-fused", "plugin-fused / best",
-                   "SDPA sites ours / left"],
-                  [[r["model"], r["task"], _mb(r["compile"]), _mb(r["fused+compile"]), _mb(r["plugin-fused"]),
-                    f"{r['plugin-fused'][0] / max(r['compile'][0], r['fused+compile'][0]):.2f}", r["sites"]]
+    out += _table(["model", "task", "mode", "compile", "fused+compile", "plugin-fused", "plugin-fused / best",
+                   "SDPA sites ours / left", "code"],
+                  [[r["model"], r["task"], r.get("mode", "default"), _mb(r["compile"]) if r["compile"] else "-",
+                    _mb(r["fused+compile"]), _mb(r["plugin-fused"]),
+                    f"{r['plugin-fused'][0] / max((r['compile'] or [0])[0], r['fused+compile'][0]):.2f}", r["sites"],
+                    r.get("code", zo["provenance"]["code"])]
                    for r in zo["rows"]])
     out += ["", f"**Generation** ({ge['unit']}). " + setup_line(ge["provenance"]), ""]
     out += _table(["model", "prompt x batch", "mode", "sdpa+compile", "plugin-sdpa", "plugin-sdpa / sdpa+compile"],

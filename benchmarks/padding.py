@@ -25,7 +25,8 @@ GPU in one run.
     the share of the step's GPU kernel time spent in attention kernels (names holding "attention",
     "fmha" or "flash"), and the ceiling of the step's speed-up, 1 / (1 - share x live-saved), with
     live-saved = 1 - live (the attention time the skip could remove at best).
-Prints the table last. Written without a GPU (never run yet): the lead runs it on the H100.
+Prints the table last. First run on an H100 in stop 32 (RESULTS.md); its model rows were void then (the two
+variants shared one Dynamo graph, mended by fuse_plugin/dynamo_cache.py).
 """
 from __future__ import annotations
 

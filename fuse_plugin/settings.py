@@ -15,7 +15,7 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor, sdpa | a matched site: the fastest measured of our op, the site as it is (Inductor's for a hand-written one, SDPA itself for an SDPA call) and, for a hand-written one, an SDPA call in its place (auto); always our op; never (left as written); or an SDPA call wherever the site can be one (sdpa; else our op) | patterns/choice.py |
 | FUSE_PLUGIN_ROTARY_SITES | auto, ours, off | a matched rotary embedding: left as written where a graph is compiled for CUDA with static shapes, the rotary rotates halves (rotate_half; interleaved pairs stay our op) and is not folded into an attention (auto: Inductor fuses that eager spelling into its neighbours, measured faster than our op's decomposition); always our op (ours); never (off) | patterns/choice.py |
 | FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
-| FUSE_PLUGIN_KEY_PADDING_SKIP | off, on | on: the general kernels skip the key blocks a per-key padding mask hides (kernels/key_range.py); off (the default until it is measured on a GPU): every key block is visited and the padded ones masked | kernels/key_range.py |
+| FUSE_PLUGIN_KEY_PADDING_SKIP | auto, on, off | the general kernels skip the key blocks a per-key padding mask hides (kernels/key_range.py): auto where measured faster (at least 1024 keys and the work of a 32 x 12 x 1024 x 1024 problem), on from 256 keys, off: every key block visited and the padded ones masked | kernels/key_range.py |
 
 Booleans take ``1 true on yes`` and ``0 false off no``, in any case; choices take their listed
 values in any case; surrounding blanks are ignored and an unset or blank switch has its default.
@@ -178,13 +178,17 @@ def sdpa_sites() -> bool:
     return boolean(SDPA_SITES, True)
 
 
-def key_padding_skip() -> bool:
-    """Do the general attention kernels skip the key blocks a per-key padding mask hides
-    (`FUSE_PLUGIN_KEY_PADDING_SKIP`, kernels/key_range.py)? Off by default until the kernels have
-    run on a GPU (written and tested in Triton's interpreter, stop 31): every key block is visited
-    and the padded ones masked, as before (a benchmark's "dense padding vector" side).
-    Read per call, so traced graphs key on it (``key``)."""
-    return boolean(KEY_PADDING_SKIP, False)
+def key_padding_skip() -> str:
+    """Where do the general attention kernels skip the key blocks a per-key padding mask hides
+    (`FUSE_PLUGIN_KEY_PADDING_SKIP`, kernels/key_range.py)? "auto" (the default): where measured
+    faster (key_range.AUTO_MIN_KEYS, AUTO_MIN_WORK); "on" (or a true spelling): wherever a block
+    can be skipped; "off" (or a false spelling): never, every key block visited and the padded
+    ones masked (a benchmark's "dense padding vector" side). Read per call, so traced graphs key
+    on it (``key``)."""
+    value = _raw(KEY_PADDING_SKIP)
+    if value is None or value.lower() == "auto":
+        return "auto"
+    return "on" if boolean(KEY_PADDING_SKIP, False) else "off"
 
 
 # ------------------------------------------------------------------------------------------------

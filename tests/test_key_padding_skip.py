@@ -131,7 +131,15 @@ def test_when_it_is_taken(monkeypatch):
         return key_range.wanted(call, 64)
 
     monkeypatch.delenv(settings.KEY_PADDING_SKIP, raising=False)
-    assert not taken()  # the default: off until the kernels have run on a GPU
+    assert not taken()  # the default (auto): too small a problem to be measured faster
+    big = torch.randn(32, 12, 1024, 64, device="meta")
+    keys = torch.ones(32, 1, 1, 1024, dtype=torch.bool, device="meta").expand(32, 12, 1024, 1024)
+    auto = AttentionCall.forward(big, big, big, keys, is_causal=False, scale=0.125)
+    assert key_range.wanted(auto, 128)  # the smallest measured win
+    assert not key_range.wanted(AttentionCall.forward(big[:16], big[:16], big[:16], keys[:16], is_causal=False,
+                                                      scale=0.125), 128)  # half its work
+    monkeypatch.setenv(settings.KEY_PADDING_SKIP, "1")  # a boolean spelling
+    assert taken()
     monkeypatch.setenv(settings.KEY_PADDING_SKIP, "on")
     assert taken() and taken(causal=True)
     assert not taken(L=key_range.MIN_KEYS - 1)  # too short

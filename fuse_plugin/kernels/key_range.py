@@ -32,6 +32,7 @@ Not taken (``args`` says off): a bias gradient is wanted (dS of hidden keys is n
 bias), a sliding window, chunks or documents (a window may hide every visible key of a row, which
 then falls back on the hidden ones), a window-periodic bias, keys too short to skip a block
 (``MIN_KEYS``), and the switch ``FUSE_PLUGIN_KEY_PADDING_SKIP=off`` (settings.key_padding_skip).
+By default (``auto``) only where measured faster (``AUTO_MIN_KEYS``, ``AUTO_MIN_WORK``).
 """
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ from .launch import hint
 # is a whole block a padded row can skip; below, the table's few small kernels (a where, two
 # reductions, a stack: ~10 us of launches) are not worth it.
 MIN_KEYS = 256
+
+# The default ("auto"): where the skip was measured faster in both directions (H100, torch 2.11,
+# bf16, benchmarks/padding.py, 2026-11-27, B 32, H 12, D 64, ~35% right padding, general family,
+# skip / dense device ms): L 512: forward 0.119 / 0.105 (slower: the table's small kernels cost
+# more than the skipped blocks), backward 0.323 / 0.363; L 1024: 0.297 / 0.357 and 0.911 / 1.223;
+# L 2048: 1.051 / 1.334 and 3.223 / 4.438. So from 1024 keys, and no smaller a problem than the
+# smallest measured win (B x Hq x Lq x Lk), where the fixed cost of the table could outweigh it.
+AUTO_MIN_KEYS = 1024
+AUTO_MIN_WORK = 32 * 12 * 1024 * 1024
 
 
 def key_ranges(bias: torch.Tensor) -> torch.Tensor:
@@ -89,8 +99,13 @@ def wanted(call, block_n: int) -> bool:
         return False
     if call.period is not None:
         return False
-    Lk = hint(call.sizes[5])  # a speed choice only: both forms are exact (no guard)
-    return Lk >= MIN_KEYS and Lk > block_n and settings.key_padding_skip()
+    how = settings.key_padding_skip()
+    if how == "off":
+        return False
+    B, Hq, Lq, _, _, Lk, _ = (hint(s) for s in call.sizes)  # a speed choice only: both forms are exact
+    if how == "auto" and (Lk < AUTO_MIN_KEYS or B * Hq * Lq * Lk < AUTO_MIN_WORK):
+        return False
+    return Lk >= MIN_KEYS and Lk > block_n
 
 
 def args(call, block_n: int) -> dict:
