@@ -34,7 +34,10 @@
 * documents: one case in nineteen of the other 4-D non-mutants (made self-attention, Lk = Lq) adds
   a packed-documents mask from an integer id buffer (B, L), sorted or scattered ids:
   `masked_fill(~(doc[:, :, None] == doc[:, None, :])[:, None], v)`, the causal mask ANDed in one
-  seed in two (the op's `documents`, patterns/mask_structure.documents_arg);
+  seed in two (the op's `documents`, patterns/mask_structure.documents_arg); one in five of those
+  spells HF's packed sequences instead: positions restarting at random points, causal by position
+  and documents where the position does not step by one, looked up by advanced indexing
+  (mask_structure.packed_positions);
 * the route: one case in seven of the others (seed % 7 == 2) is rewritten with
   FUSE_PLUGIN_SITE_CHOICE=sdpa, a hand-written site becoming an SDPA call where it can be one
   (patterns/attention._sdpa_call: masks folded into one attn_mask, eager's NaN rows restored, but
@@ -179,7 +182,8 @@ def make_case(seed: int) -> Case:
     # one case in nineteen of the other 4-D ones: packed documents (no draw), self-attention
     if band is None and not merged and not case.mutant and seed % 19 == 14:
         case.lk = case.lq
-        case.masks.append(MaskStep("doc", "docs_causal" if seed % 2 else "docs", FMIN32 if seed % 3 == 0 else -math.inf))
+        spelling = "docs_positions" if seed % 5 == 0 else "docs_causal" if seed % 2 else "docs"
+        case.masks.append(MaskStep("doc", spelling, FMIN32 if seed % 3 == 0 else -math.inf))
     # one case in eleven of the other 4-D ones has gpt-oss's sink column (no draw either)
     if not merged and not case.mutant and case.product != "sdpa" and case.route == "ours" and seed % 11 == 5:
         case.sinks = "cat_max" if seed % 2 else "cat"
@@ -214,8 +218,24 @@ class FuzzModule(nn.Module):
         if any(m.kind == "doc" for m in case.masks):  # document ids (B, L): sorted runs or scattered
             doc = torch.randint(0, 3, (case.b, case.lq), generator=g)
             self.register_buffer("doc", doc.sort(-1).values if case.seed % 4 < 2 else doc)
+            # positions restarting at random points, from a random offset per row (docs_positions)
+            idx = torch.arange(case.lq).expand(case.b, -1)
+            starts = torch.rand(case.b, case.lq, generator=g) < 0.3
+            starts[:, 0] = True
+            first = torch.cummax(torch.where(starts, idx, 0), -1).values
+            self.register_buffer("pos", idx - first + torch.randint(0, 4, (case.b, 1), generator=g))
 
     def _doc_keep(self, lq):
+        if any(m.spelling == "docs_positions" for m in self.case.masks):
+            # HF masking_utils' packed sequences (mask_structure.packed_positions): causal by position
+            # and the documents where the position does not step by one, both by advanced indexing
+            pos, b = self.pos, self.pos.shape[0]
+            doc = (torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1).cumsum(-1)
+            bi = torch.arange(b, device=pos.device)[:, None, None, None]
+            qi = torch.arange(lq, device=pos.device)[None, None, :, None]
+            ki = torch.arange(lq, device=pos.device)[None, None, None, :]
+            keep = pos.new_ones((), dtype=torch.bool) & (pos[bi, ki] <= pos[bi, qi])
+            return keep & (doc[bi, qi] == doc[bi, ki])
         keep = (self.doc[:, :, None] == self.doc[:, None, :])[:, None]
         if any(m.spelling == "docs_causal" for m in self.case.masks):
             keep = keep & torch.ones(lq, lq, dtype=torch.bool, device=keep.device).tril()

@@ -338,3 +338,78 @@ def test_compiled_model_matches_eager():
     doc = ids("scattered", 2, 12)
     got = torch.compile(model, backend="fuse_plugin")(q, k, v, doc)
     torch.testing.assert_close(got, model(q, k, v, doc))
+
+
+# ------------------------------------------------------- HF's packed sequences, told apart by positions
+
+
+class PackedByPositions(nn.Module):
+    """HF masking_utils' mask for sequences packed in one row with restarting position ids and no
+    attention mask (transformers 5.x, as Dynamo captures it): doc = cumsum(diff(pos) != 1), then
+    (pos[b, kv] <= pos[b, q]) & (doc[b, q] == doc[b, kv]) by advanced indexing, filled finfo.min.
+    ``spell`` changes one piece for the near misses."""
+
+    def __init__(self, spell="hf"):
+        super().__init__()
+        self.spell = spell
+
+    def forward(self, q, k, v, pos):
+        B, L = q.shape[0], q.shape[-2]
+        step = 2 if self.spell == "step2" else 1
+        doc = (torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != step).cumsum(-1)
+        pos_e = pos.expand(B, -1)
+        b = torch.arange(B)[:, None, None, None]
+        qi = (torch.arange(L) + 0)[None, None, :, None]
+        ki = (torch.arange(L) + 0)[None, None, None, :]
+        keep = q.new_ones((), dtype=torch.bool)
+        if self.spell == "anti":  # pos[q] <= pos[kv]: the future, not causal
+            keep = keep & (pos_e[b, qi] <= pos_e[b, ki])
+        elif self.spell == "ge":
+            keep = keep & (pos_e[b, qi] >= pos_e[b, ki])
+        else:
+            keep = keep & (pos_e[b, ki] <= pos_e[b, qi])
+        other = doc if self.spell != "other_ids" else (pos != 0).cumsum(-1)
+        keep = keep & (other[b, qi] == other[b, ki])
+        mask = torch.where(keep.expand(B, -1, L, L), torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)
+        return (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + mask).softmax(-1) @ v
+
+
+def positions(B: int, L: int) -> torch.Tensor:
+    """Restarting positions, a different packing per row, one row not starting at 0."""
+    rows = [torch.cat([torch.arange(5), torch.arange(4), torch.arange(L - 9)]),
+            torch.cat([torch.arange(3, 3 + L - 6), torch.arange(6)])]
+    return torch.stack(rows[:B])
+
+
+@pytest.mark.parametrize("spell", ["hf", "ge"])
+def test_packed_positions_become_documents_and_causal(spell):
+    model = PackedByPositions(spell)
+    q, k, v = (torch.randn(2, 3, 14, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    pos = positions(2, 14)
+    calls, out = _rewritten(model, q, k, v, pos)
+    assert len(calls) == 1 and calls[0].kwargs.get("documents") is not None
+    assert calls[0].args[3] is None and calls[0].args[5] is True  # no (L, L) bias, is_causal
+    want = model(q, k, v, pos)
+    torch.testing.assert_close(out, want)
+    for a, b in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("spell, why", [
+    ("anti", "the positions compared the other way (keys after the query)"),
+    ("step2", "ids that change where the step is not 2: positions then rise by 2 inside a document"),
+    ("other_ids", "ids not made from the positions' steps"),
+])
+def test_packed_positions_near_misses_keep_the_bias(spell, why):
+    model = PackedByPositions(spell)
+    q, k, v = (torch.randn(2, 3, 14, 16, dtype=torch.float64) for _ in range(3))
+    pos = positions(2, 14)
+    calls, out = _rewritten(model, q, k, v, pos)
+    assert len(calls) == 1 and "documents" not in calls[0].kwargs and calls[0].args[3] is not None, why
+    torch.testing.assert_close(out, model(q, k, v, pos), equal_nan=True)
+
+
+def test_explain_names_packed_positions():
+    q, k, v = (torch.randn(2, 2, 14, 16) for _ in range(3))
+    text = str(fuse_plugin.explain(PackedByPositions(), q, k, v, positions(2, 14)))
+    assert "rising by one inside each document" in text and "documents (ids from" in text, text

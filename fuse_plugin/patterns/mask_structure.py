@@ -23,7 +23,8 @@ import torch
 from torch import fx
 
 from .canon import call_of, dtype, is_identity, known_equal, shape, written
-from .causal_mask import Affine, Select, abstract_value, causal_source, constant_number, is_causal_mask
+from .causal_mask import (Affine, Select, _integer_affine, abstract_value, causal_source, constant_number,
+                          is_causal_mask)
 
 
 def _is_keep_mask(p) -> bool:
@@ -191,6 +192,11 @@ def documents_arg(p, memo: dict, lq, lk) -> Optional[tuple]:
     if not _is_keep_mask(p):
         return None
     node, keep, inserted = _keep_walk(p)
+    if keep and not inserted:
+        packed = packed_positions(node, memo, lq, lk)
+        ms = shape(p.mask)
+        if packed is not None and ms is not None and len(ms) == 4:
+            return packed
     c = call_of(node) if isinstance(node, fx.Node) and keep else None
     causal = None
     if c is not None and c.name == "and" and not written(node):
@@ -214,6 +220,168 @@ def documents_arg(p, memo: dict, lq, lk) -> Optional[tuple]:
         if where != -4:
             return None
     return doc, causal
+
+
+# ------------------------------------------------------------------ HF's packed sequences (positions)
+
+
+def packed_positions(node: Any, memo: dict, lq, lk) -> Optional[tuple]:
+    """(doc, causal source) when ``node`` (a keep mask, 4-D) is HF masking_utils' mask for
+    sequences packed in one row and told apart by their positions (no attention mask;
+    ``find_packed_sequence_indices`` and its and-ed mask functions):
+
+        doc  = cumsum(diff(pos, dim=-1, prepend=pos[..., :1] - 1) != 1, -1)        (B', L)
+        keep = [all-True &] (pos_e[b, kv] <= pos_e[b, q]) & (doc[b, q] == doc[b, kv])
+
+    each value looked up by advanced indexing (b = arange(B) at dim -4, q / kv = arange(L) (+ 0)
+    at dims -2 / -1), pos_e = pos or pos.expand(B, -1), casts to the device between. Exact as
+    documents + top-left causal: doc's ids change exactly where the next position is not the last
+    plus one, so inside a document positions rise by one per token, and there pos[kv] <= pos[q]
+    iff kv <= q. Else None."""
+    conjuncts = _and_terms(node)
+    if conjuncts is None:
+        return None
+    conjuncts = [x for x in conjuncts if not _all_true(x)]
+    if len(conjuncts) != 2:
+        return None
+    doc = pos = None
+    for a, b in (conjuncts, conjuncts[::-1]):
+        doc, pos = _lookup_eq(a, memo, lq, lk), _lookup_le(b, memo, lq, lk)
+        if doc is not None and pos is not None:
+            break
+    if doc is None or pos is None:
+        return None
+    base = _expand_base(pos)
+    if _positions_of(doc) is not base:
+        return None
+    return doc, f"positions {base.name} rising by one inside each document (HF's packed sequences)"
+
+
+def _and_terms(node: Any) -> Optional[list]:
+    """The operands of an and-chain (through identity casts), or None when node is not one."""
+    c = call_of(node) if isinstance(node, fx.Node) and not written(node) else None
+    if c is None or c.name != "and":
+        return None
+    out = []
+    for x in (c["input"], c["other"]):
+        x = _through_identity(x)
+        inner = _and_terms(x)
+        out += inner if inner is not None else [x]
+    return out
+
+
+def _through_identity(x: Any) -> Any:
+    while isinstance(x, fx.Node) and not written(x):
+        c = call_of(x)
+        if c is None or not (c.name in ("contiguous", "clone") or (c.name == "to" and is_identity(c))):
+            return x
+        x = c["input"]
+    return x
+
+
+def _all_true(x: Any) -> bool:
+    """A bool tensor of one element built True (HF's ``new_ones((), dtype=torch.bool)``)."""
+    if not isinstance(x, fx.Node) or x.op not in ("call_function", "call_method") or dtype(x) != torch.bool:
+        return False
+    s = shape(x)
+    if s is None or any(not known_equal(d, 1) for d in s):
+        return False
+    return x.target in ("new_ones", torch.ones) and not written(x)
+
+
+def _lookup(x: Any, memo: dict, lq, lk) -> Optional[tuple]:
+    """(T, dim) for x = T[b, i] (advanced indexing): T 2-D (B, L) integer, b = arange(B) at dim -4
+    of the 4-D result, i = arange(L) at dim -2 (queries, L = lq) or -1 (keys, L = lk)."""
+    c = call_of(x) if isinstance(x, fx.Node) else None
+    if c is None or c.name != "getitem" or not isinstance(c["index"], tuple) or len(c["index"]) != 2:
+        return None
+    t, (bi, si) = c["input"], c["index"]
+    ts, xs = shape(t), shape(x)
+    dt = dtype(t)
+    if ts is None or xs is None or len(ts) != 2 or len(xs) != 4 or dt is None or dt.is_floating_point \
+            or dt.is_complex or dt == torch.bool:
+        return None
+    b, i = _integer_affine(bi, memo), _integer_affine(si, memo)
+    bs, ss = shape(bi), shape(si)
+    if b is None or i is None or bs is None or ss is None or len(bs) != 4 or len(ss) != 4:
+        return None
+    if b.const != 0 or b.coef != ((-4, 1),) or not known_equal(bs[0], ts[0]):
+        return None  # b must walk T's rows one by one
+    if i.const != 0 or len(i.coef) != 1 or i.coef[0][1] != 1 or i.coef[0][0] not in (-2, -1):
+        return None
+    dim = i.coef[0][0]
+    n = lq if dim == -2 else lk
+    if not (known_equal(ss[dim], ts[1]) and known_equal(ts[1], n)):
+        return None
+    return t, dim
+
+
+def _lookup_pair(x: Any, name: str, memo: dict, lq, lk) -> Optional[tuple]:
+    """(T, dim of the left operand) for x = name(T[b, i], T[b, j]) with one operand looked up along
+    the queries and the other along the keys."""
+    c = call_of(_through_identity(x)) if isinstance(x, fx.Node) else None
+    if c is None or c.name != name or not isinstance(c["other"], fx.Node):
+        return None
+    a, b = _lookup(c["input"], memo, lq, lk), _lookup(c["other"], memo, lq, lk)
+    if a is None or b is None or a[0] is not b[0] or {a[1], b[1]} != {-2, -1}:
+        return None
+    return a[0], a[1]
+
+
+def _lookup_eq(x: Any, memo: dict, lq, lk) -> Optional[fx.Node]:
+    found = _lookup_pair(x, "eq", memo, lq, lk)
+    return found[0] if found is not None else None
+
+
+def _lookup_le(x: Any, memo: dict, lq, lk) -> Optional[fx.Node]:
+    """T for x = T[b, kv] <= T[b, q] (or T[b, q] >= T[b, kv])."""
+    for name, left in (("le", -1), ("ge", -2)):
+        found = _lookup_pair(x, name, memo, lq, lk)
+        if found is not None and found[1] == left:
+            return found[0]
+    return None
+
+
+def _expand_base(x: fx.Node) -> fx.Node:
+    c = call_of(x)
+    while c is not None and c.name == "expand" and not written(x):
+        x = c["input"]
+        c = call_of(x)
+    return x
+
+
+def _positions_of(doc: fx.Node) -> Optional[fx.Node]:
+    """pos when doc = cumsum(diff(pos, dim=-1, prepend=<one element along it>) != 1, -1)."""
+    if written(doc) or doc.op not in ("call_function", "call_method"):
+        return None
+    if doc.target not in (torch.cumsum, "cumsum"):
+        return None
+    args = list(doc.args)
+    dim = args[1] if len(args) > 1 else doc.kwargs.get("dim")
+    ne = args[0]
+    ds = shape(doc)
+    if ds is None or dim not in (-1, len(ds) - 1) or doc.kwargs.get("dtype") is not None:
+        return None
+    c = call_of(ne) if isinstance(ne, fx.Node) else None
+    if c is None or c.name != "ne" or constant_number(c["other"]) != 1 or written(ne):
+        return None
+    d = c["input"]
+    if not isinstance(d, fx.Node) or written(d) or d.op not in ("call_function", "call_method") \
+            or d.target not in (torch.diff, "diff"):
+        return None
+    dargs = list(d.args)
+    pos = dargs[0]
+    n = dargs[1] if len(dargs) > 1 else d.kwargs.get("n", 1)
+    ddim = dargs[2] if len(dargs) > 2 else d.kwargs.get("dim", -1)
+    prepend = dargs[3] if len(dargs) > 3 else d.kwargs.get("prepend")
+    append = dargs[4] if len(dargs) > 4 else d.kwargs.get("append")
+    ps = shape(pos) if isinstance(pos, fx.Node) else None
+    if ps is None or n != 1 or append is not None or ddim not in (-1, len(ps) - 1) or len(ps) != len(ds):
+        return None
+    pre = shape(prepend) if isinstance(prepend, fx.Node) else None
+    if pre is None or len(pre) != len(ps) or not known_equal(pre[-1], 1):
+        return None  # the diff must keep L entries: one prepended along the last dim
+    return pos
 
 
 def band_of(p, memo: dict) -> Optional[tuple]:

@@ -517,10 +517,9 @@ def test_gradient_checkpointing_explain_lists_sites_per_layer():
 def test_packed_sequences_by_position_ids_train_like_eager():
     """Qwen2 fed packed sequences the HF way (position_ids restarting at each document, no attention
     mask: masking_utils detects the packing and builds doc[q] == doc[kv] with doc =
-    cumsum(diff(position_ids) != 1), beside a causal mask on the positions). Fused and equal to eager
-    in training, logits and gradients. The rewrite does not prove this mask's documents yet (its ids
-    are looked up by advanced indexing, its causal part compares positions): it reaches the op as a
-    dense bias, exact but without the documents' skipping (issue 31; NOTES attempt 46)."""
+    cumsum(diff(position_ids) != 1), beside a causal mask on the positions). Fused as documents +
+    is_causal (mask_structure.packed_positions: no (L, L) bias; the kernels skip the other documents'
+    key blocks) and equal to eager in training, logits and gradients."""
     model = _qwen2()
     eager = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
@@ -533,6 +532,8 @@ def test_packed_sequences_by_position_ids_train_like_eager():
     ref, out = eager(**kwargs).logits, compiled(**kwargs).logits
     assert counters["fuse_plugin"]["attention"] == 2
     assert rel_err(out, ref) <= LOGITS_TOL
+    text = str(fuse_plugin.explain(copy.deepcopy(eager), **kwargs))
+    assert text.count("documents (ids from") == 2 and "rising by one inside each document" in text, text
     ref.float().square().mean().backward()
     out.float().square().mean().backward()
     check_gradients(eager, model)
