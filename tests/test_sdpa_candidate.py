@@ -253,6 +253,26 @@ def test_sites_sdpa_cannot_compute_keep_our_op(sdpa_measured_fastest, fn):
     check_parity(fn, *args)
 
 
+def finite_causal_and_padding(q, k, v, keep):
+    """An additive finfo.min causal mask, then a -inf padding fill that hides key 0: row 0 keeps
+    only finfo.min scores (eager averages them; the fuzzer's seed 1073)."""
+    L = q.shape[-2]
+    s = q @ k.transpose(-2, -1) * 0.25 + torch.full((L, L), torch.finfo(q.dtype).min, dtype=q.dtype).triu(1)
+    return torch.softmax(s.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1) @ v
+
+
+def test_finite_causal_mask_on_the_cpu_keeps_our_op(monkeypatch):
+    """torch 2.13's CPU SDPA backward gives 0 to such a row, eager does not: on the CPU the site keeps
+    our op (its reference), whose gradients are eager's (attention.why_not_sdpa)."""
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "sdpa")
+    keep = torch.arange(8)[None, :] >= torch.tensor([1, 0])[:, None]  # batch 0: key 0 padded
+    args = qkv() + (keep,)
+    targets, report = rewritten(finite_causal_and_padding, *args)
+    assert F.scaled_dot_product_attention not in targets and attention.ATTENTION_OP in targets
+    assert "our op: no SDPA call computes a causal mask of finite value on the CPU" in _fused(report)[0]
+    check_parity(finite_causal_and_padding, *args)
+
+
 def test_the_emitted_call_is_not_read_again_as_an_sdpa_site(sdpa_measured_fastest):
     """patterns/sdpa.py skips the calls the attention rewrite emitted (one site, one report line)."""
     _, report = rewritten(plain, *qkv())
