@@ -345,8 +345,9 @@ def test_compiled_model_matches_eager():
 
 class PackedByPositions(nn.Module):
     """HF masking_utils' mask for sequences packed in one row with restarting position ids and no
-    attention mask (transformers 5.x, as Dynamo captures it): doc = cumsum(diff(pos) != 1), then
-    (pos[b, kv] <= pos[b, q]) & (doc[b, q] == doc[b, kv]) by advanced indexing, filled finfo.min.
+    attention mask (transformers 5.24, as Dynamo captures it): doc = cumsum(diff(pos) != 1), then
+    (pos[b, kv] <= pos[b, q]) & (doc[b, q] == doc[b, kv]) by advanced indexing, filled finfo.min;
+    "index": transformers 5.17's, causal on the indices (kv <= q) beside the same looked-up ids.
     ``spell`` changes one piece for the near misses."""
 
     def __init__(self, spell="hf"):
@@ -364,6 +365,8 @@ class PackedByPositions(nn.Module):
         keep = q.new_ones((), dtype=torch.bool)
         if self.spell == "anti":  # pos[q] <= pos[kv]: the future, not causal
             keep = keep & (pos_e[b, qi] <= pos_e[b, ki])
+        elif self.spell == "index":  # transformers 5.17: causal on the indices, ids still looked up
+            keep = keep & (ki <= qi)
         elif self.spell == "ge":
             keep = keep & (pos_e[b, qi] >= pos_e[b, ki])
         else:
@@ -381,7 +384,7 @@ def positions(B: int, L: int) -> torch.Tensor:
     return torch.stack(rows[:B])
 
 
-@pytest.mark.parametrize("spell", ["hf", "ge"])
+@pytest.mark.parametrize("spell", ["hf", "ge", "index"])
 def test_packed_positions_become_documents_and_causal(spell):
     model = PackedByPositions(spell)
     q, k, v = (torch.randn(2, 3, 14, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))

@@ -161,11 +161,21 @@ def _wanted(pos: int, leading: bool) -> bool:
 
 def documents_of(p, memo: dict) -> Optional[fx.Node]:
     """The document-id tensor when the part keeps exactly doc[..., i] == doc[..., j]: an eq of one
-    integer tensor lifted along the keys and along the queries; else None."""
+    integer tensor lifted along the keys and along the queries, or looked up along them by
+    advanced indexing (``_looked_up_ids``); else None."""
     ops = _eq_operands(p)
     if ops is None:
         return None
-    return _ids_compared(ops)
+    return _ids_compared(ops) or _looked_up_ids(ops, memo, None, None)
+
+
+def _looked_up_ids(ops: tuple, memo: dict, lq, lk) -> Optional[fx.Node]:
+    """doc (B, L) when the eq's operands are doc[b, q] and doc[b, kv] by advanced indexing (HF
+    masking_utils' packed-sequence function, transformers 5.17: ``_lookup``), rows along dim -4."""
+    a, b = (_lookup(x, memo, lq, lk) for x in ops)
+    if a is None or b is None or a[0] is not b[0] or {a[1], b[1]} != {-2, -1}:
+        return None
+    return a[0]
 
 
 def _ids_compared(ops: tuple) -> Optional[fx.Node]:
@@ -206,9 +216,12 @@ def documents_arg(p, memo: dict, lq, lk) -> Optional[tuple]:
                 break
     if c is None or c.name != "eq" or not isinstance(c["other"], fx.Node):
         return None
+    ms = shape(p.mask)
+    looked_up = _looked_up_ids((c["input"], c["other"]), memo, lq, lk)
+    if looked_up is not None:  # 4-D, rows along dim -4 by construction
+        return (looked_up, causal) if not inserted and ms is not None and len(ms) == 4 else None
     doc = _ids_compared((c["input"], c["other"]))
     s = shape(doc) if doc is not None else None
-    ms = shape(p.mask)
     if s is None or ms is None or len(ms) > 4 or len(s) not in (1, 2):
         return None
     if not (known_equal(s[-1], lq) and known_equal(s[-1], lk)):
@@ -311,7 +324,7 @@ def _lookup(x: Any, memo: dict, lq, lk) -> Optional[tuple]:
         return None
     dim = i.coef[0][0]
     n = lq if dim == -2 else lk
-    if not (known_equal(ss[dim], ts[1]) and known_equal(ts[1], n)):
+    if not known_equal(ss[dim], ts[1]) or (n is not None and not known_equal(ts[1], n)):
         return None
     return t, dim
 
