@@ -3,7 +3,8 @@ a whole BERT training step, skip on vs off (FUSE_PLUGIN_KEY_PADDING_SKIP; kernel
 GPU in one run.
 
     python benchmarks/padding.py [--lengths 512,1024,2048] [--batch 32] [--pad 0.4] [--mask float]
-                                 [--model-family general] [--no-model] [--steps 10] [--rounds 5] [--out FILE.md]
+                                 [--model-family general] [--no-model] [--model-len 512] [--steps 10]
+                                 [--rounds 5] [--out FILE.md]
 
 (a) Kernels: bf16, B --batch, H 12, D 64, L in --lengths, right padding: row b keeps its first n_b keys,
     n_b uniform in [(1 - 2 pad) L, L] (--pad 0.4: ~40% of the keys are padding), the mask as HF builds
@@ -15,8 +16,8 @@ GPU in one run.
       sdpa   F.scaled_dot_product_attention with the same mask (timed without CUDA graphs: its autograd
              backward fails inside a capture, see documents.py)
     "live" = the share of (row, key block) pairs that overlap a row's live keys (the ideal skip/dense).
-(b) Model: transformers BertForMaskedLM, BERT-base config, random weights in bf16, batch --batch x 512
-    tokens, lengths drawn as above, a training step (forward, cross-entropy, backward, fused AdamW)
+(b) Model: transformers BertForMaskedLM, BERT-base config, random weights in bf16, batch --batch x
+    --model-len (512) tokens, lengths drawn as above, a training step (forward, cross-entropy, backward, fused AdamW)
     compiled with backend="fuse_plugin" (dynamic=False), skip on vs off: each variant its own model and
     compile (under its setting), then --rounds rounds in which the two take turns running --steps timed
     steps; tokens/s (padding included) is the median of the rounds. --model-family: the attention family
@@ -43,7 +44,7 @@ from fuse_plugin import settings
 from fuse_plugin.kernels import registry
 from fuse_plugin.kernels.attention import attention_backward, attention_forward
 
-HEADS, HEAD_DIM, MODEL_LEN = 12, 64, 512
+HEADS, HEAD_DIM = 12, 64
 ATTENTION_NAMES = ("attention", "fmha", "flash")
 
 
@@ -125,19 +126,21 @@ def check(lens, L, form) -> dict:
 # ------------------------------------------------------------------------------------------ model
 
 
-def bert_step(lens, on: bool, family):
-    """(step, model): a compiled BertForMaskedLM training step, compiled under the switch ``on``."""
+def bert_step(lens, on: bool, family, seq_len: int):
+    """(step, model): a compiled BertForMaskedLM training step, compiled under the switch ``on``
+    (its own Dynamo graph: the cache is keyed on the switch, fuse_plugin/dynamo_cache.py)."""
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(0)
-    model = BertForMaskedLM._from_config(BertConfig(), attn_implementation="eager")
+    config = BertConfig(max_position_embeddings=max(512, seq_len))
+    model = BertForMaskedLM._from_config(config, attn_implementation="eager")
     model = model.to(device="cuda", dtype=torch.bfloat16).train()
     fn = torch.compile(model, backend="fuse_plugin", dynamic=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     B = lens.numel()
     g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, 30522, (B, MODEL_LEN), device="cuda", generator=g)
-    mask = (torch.arange(MODEL_LEN, device="cuda")[None] < lens[:, None]).long()
+    ids = torch.randint(0, 30522, (B, seq_len), device="cuda", generator=g)
+    mask = (torch.arange(seq_len, device="cuda")[None] < lens[:, None]).long()
 
     def step():
         logits = fn(input_ids=ids, attention_mask=mask).logits
@@ -172,23 +175,23 @@ def attention_share(step, n: int = 5) -> tuple[float, float, float]:
 
 
 def model_rows(args, lens) -> list[str]:
-    family = args.model_family
-    steps = {on: bert_step(lens, on, family) for on in (False, True)}
+    family, seq_len = args.model_family, args.model_len
+    steps = {on: bert_step(lens, on, family, seq_len) for on in (False, True)}
     times = {on: [] for on in steps}
     for _ in range(args.rounds):
         for on, (step, _) in steps.items():
             with _held(family), skip(on):
                 times[on].append(timed_run(step, args.steps))
-    tokens = lens.numel() * MODEL_LEN * args.steps
+    tokens = lens.numel() * seq_len * args.steps
     tps = {on: tokens / sorted(ts)[len(ts) // 2] for on, ts in times.items()}
     share = {}
     for on, (step, _) in steps.items():
         with _held(family), skip(on):
             share[on] = attention_share(step)
-    live = live_share(lens, MODEL_LEN)
+    live = live_share(lens, seq_len)
     ceiling = 1 / (1 - share[False][2] * (1 - live))
-    return [f"BERT-base MLM training step, bf16, batch {lens.numel()} x {MODEL_LEN}, "
-            f"{1 - lens.float().mean().item() / MODEL_LEN:.0%} padding, family {family}, "
+    return [f"BERT-base MLM training step, bf16, batch {lens.numel()} x {seq_len}, "
+            f"{1 - lens.float().mean().item() / seq_len:.0%} padding, family {family}, "
             f"median of {args.rounds} interleaved rounds of {args.steps} steps", "",
             "| variant | tokens/s | attention GPU us/step | all kernels us/step | attention share |",
             "|---|---|---|---|---|"] + [
@@ -208,6 +211,7 @@ def main():
     p.add_argument("--mask", choices=("float", "bool"), default="float")
     p.add_argument("--model-family", default="general", help="'general' (default) or 'auto'")
     p.add_argument("--no-model", action="store_true", help="kernels only")
+    p.add_argument("--model-len", type=int, default=512, help="the BERT rows' tokens per sequence")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=None)
@@ -239,7 +243,7 @@ def main():
                      f"{tot['sdpa'] / tot['skip']:.2f}x |")
         print(lines[-1], flush=True)
     if not args.no_model:
-        lines += [""] + model_rows(args, lengths(args.batch, MODEL_LEN, args.pad, seed=1))
+        lines += [""] + model_rows(args, lengths(args.batch, args.model_len, args.pad, seed=1))
     emit(lines, args.out)
     if not ok:
         raise SystemExit(1)
