@@ -78,7 +78,10 @@ def _kinds():
         out.append((inductor, lambda w: True, _inductor_state))
     wrapper = getattr(torch, "_TorchCompileWrapper", None)
     if wrapper is not None:
-        out.append((wrapper, lambda w: getattr(w, "compiler_name", None) == _NAME, _backend_state))
+        from .backend import fuse_plugin_backend
+
+        out.append((wrapper, lambda w: getattr(w, "compiler_name", None) == _NAME
+                    or getattr(w, "compiler_fn", None) is fuse_plugin_backend, _backend_state))
     return out
 
 

@@ -74,6 +74,16 @@ def test_a_switch_changed_between_compiles(monkeypatch):
     assert not runs_our_op(b)
 
 
+def test_the_backend_function_passed_itself(monkeypatch):
+    from fuse_plugin.backend import fuse_plugin_backend
+
+    a = torch.compile(Attention(), backend=fuse_plugin_backend)
+    assert runs_our_op(a)
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "inductor")
+    b = torch.compile(Attention(), backend=fuse_plugin_backend)
+    assert not runs_our_op(b)
+
+
 def test_uninstall_between_compiles():
     a = torch.compile(Attention())
     assert runs_our_op(a)
