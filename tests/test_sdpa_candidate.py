@@ -366,3 +366,36 @@ def test_bias_source_near_misses():
         torch.compile(M(how), backend=backend)(torch.randn(1, 2, 4, 4))
     torch._dynamo.reset()
     assert got == {"param": True, "buffer": False, "inf": False, "exp": False, "half": False}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA SDPA backends run on a GPU")
+@pytest.mark.parametrize("backend", ["EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "FLASH_ATTENTION"])
+def test_cuda_sdpa_backward_on_rows_masked_everywhere_by_a_finite_value(backend):
+    """The "as SDPA" route's premise on CUDA: a backend's gradients agree with MATH's on a row whose
+    every visible score carries finfo.min (eager averages such a row; torch 2.13's CPU flash backward
+    gives it 0, so on the CPU attention.why_not_sdpa keeps our op there). A failure here means the
+    guard must cover CUDA too."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 64, device="cuda", dtype=dt, generator=g) for _ in range(3))
+    mask = torch.full((64, 64), torch.finfo(dt).min, device="cuda", dtype=dt).triu(1)
+    mask = mask.expand(2, 4, 64, 64).clone()
+    mask[0, :, :, 0] = float("-inf")  # batch 0: key 0 padded, so its row 0 keeps only finfo.min scores
+    dout = torch.randn(2, 4, 64, 64, device="cuda", dtype=dt, generator=g)
+
+    def grads(which):
+        leaves = [t.detach().float().to(dt).requires_grad_() for t in (q, k, v)]
+        with sdpa_kernel([which]):
+            out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=0.125)
+        return [out.float()] + [x.float() for x in torch.autograd.grad(out, leaves, dout)]
+
+    try:
+        got = grads(getattr(SDPBackend, backend))
+    except RuntimeError as e:  # the backend does not take this problem (a float mask, the dtype)
+        pytest.skip(f"{backend} does not run it: {str(e)[:80]}")
+    want = grads(SDPBackend.MATH)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        err = ((a - b).norm() / b.norm()).item()
+        assert err < 3e-2, f"{backend} {name}: rel err {err:.3g} against MATH"
