@@ -261,16 +261,27 @@ def finite_causal_and_padding(q, k, v, keep):
     return torch.softmax(s.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1) @ v
 
 
-def test_finite_causal_mask_on_the_cpu_keeps_our_op(monkeypatch):
+def added_finite_mask(q, k, v, keep):
+    """A keep mask added as zeros.masked_fill(~keep, finfo.min) (the fuzzer's seed 2452): a row
+    whose keys it all hides keeps only finfo.min scores."""
+    m = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, torch.finfo(q.dtype).min)
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + m, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn, keep", [
+    (finite_causal_and_padding, torch.arange(8)[None, :] >= torch.tensor([1, 0])[:, None]),  # batch 0: key 0 padded
+    (added_finite_mask, ((torch.arange(8)[:, None] + torch.arange(8)[None, :]) % 3 != 0)
+     & (torch.arange(8) != 2)[:, None]),  # row 2: every key hidden
+], ids=["causal_then_padding", "added_masked_fill"])
+def test_finite_mask_values_on_the_cpu_keep_our_op(monkeypatch, fn, keep):
     """torch 2.13's CPU SDPA backward gives 0 to such a row, eager does not: on the CPU the site keeps
     our op (its reference), whose gradients are eager's (attention.why_not_sdpa)."""
     monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "sdpa")
-    keep = torch.arange(8)[None, :] >= torch.tensor([1, 0])[:, None]  # batch 0: key 0 padded
     args = qkv() + (keep,)
-    targets, report = rewritten(finite_causal_and_padding, *args)
+    targets, report = rewritten(fn, *args)
     assert F.scaled_dot_product_attention not in targets and attention.ATTENTION_OP in targets
-    assert "our op: no SDPA call computes a causal mask of finite value on the CPU" in _fused(report)[0]
-    check_parity(finite_causal_and_padding, *args)
+    assert "our op: no SDPA call computes a finite mask value on the CPU" in _fused(report)[0]
+    check_parity(fn, *args)
 
 
 def test_the_emitted_call_is_not_read_again_as_an_sdpa_site(sdpa_measured_fastest):

@@ -78,7 +78,7 @@ from .bias_source import from_parameters
 from .canon import (Call, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
                     is_identity, is_in_place_form, known_equal, mutates, norm_dim, same_shape, shape, shape_only_use, size_in_range,
                     tensor_meta, written)
-from .causal_mask import abstract_value, constant_number, is_causal_mask
+from .causal_mask import constant_number, is_mask_value
 from .graph_edit import NodeBuilder, detached, erase_dead, graph_fake_mode
 from .report import Report
 from .writes import graph_order, write_between
@@ -1204,15 +1204,30 @@ def _needs_eager_strides(output: fx.Node) -> bool:
     return False
 
 
-def _finite_causal(part, lq, lk) -> bool:
-    """A causal mask kept in the bias with a finite value (HF's finfo.min): a causal part, or an
-    additive term that is the causal mask (kept as written when is_causal would change a row)."""
+def _finite_mask_values(part) -> bool:
+    """Can the bias part put a finite mask value (<= MASK_VALUE_MAX, e.g. HF's finfo.min) on a
+    score? A causal part of finite value, or an additive term built in the graph from such a
+    constant (`full(min).triu(1)`, `zeros.masked_fill(~keep, min)`, `(1 - mask) * min`: a
+    constant among the arguments of the ops that make it, a few ops deep). A term of unknown
+    values (an input, a parameter) is not counted."""
     if isinstance(part, CausalPart):
         return part.value != -math.inf
-    if not isinstance(part, BiasTerm) or not is_causal_mask(part.node, "additive", lq, lk):
+    if not isinstance(part, BiasTerm):
         return False
-    v = abstract_value(part.node, {})  # (0 where visible, its mask value where hidden, either orientation)
-    return -math.inf not in (v.a, v.b)
+    todo, seen = [(part.node, 0)], set()
+    while todo:
+        node, depth = todo.pop()
+        if node in seen or depth > 6 or node.op not in ("call_function", "call_method"):
+            continue
+        seen.add(node)
+        flat = []
+        fx.node.map_aggregate((node.args, tuple(node.kwargs.values())), lambda x: flat.append(x) or x)
+        for a in flat:
+            if isinstance(a, fx.Node):
+                todo.append((a, depth + 1))
+            elif isinstance(a, (int, float)) and not isinstance(a, bool) and a != -math.inf and is_mask_value(a):
+                return True
+    return False
 
 
 def why_not_sdpa(site: AttentionSite) -> Optional[str]:
@@ -1232,13 +1247,13 @@ def why_not_sdpa(site: AttentionSite) -> Optional[str]:
     if any(isinstance(p, MaskFill) and p.value != -math.inf for p in site.bias_parts):
         return "a finite fill (the op's replace mask)"
     values = [site.q.value(), site.k.value()]
-    lq, lk = values[0].shape[-2], values[1].shape[-2]
-    if values[0].device.type == "cpu" and any(_finite_causal(p, lq, lk) for p in site.bias_parts):
+    if values[0].device.type == "cpu" and any(_finite_mask_values(p) for p in site.bias_parts):
         # torch 2.13's CPU SDPA (flash) backward gives 0 to a row whose every visible score carries
         # finfo.min (its forward, like eager, averages them), where eager's gradient is not 0 (the
-        # fuzzer, seed 1073: a causal finfo.min term beside a -inf padding fill hides a row's one
-        # causal key). Finite fills are refused above; a float bias of unknown values is not.
-        return ("a causal mask of finite value on the CPU (SDPA's CPU backward drops rows masked by a finite "
+        # fuzzer: seed 1073, a causal finfo.min term beside a -inf padding fill hiding a row's one
+        # causal key; seed 2452, a random keep mask added as zeros.masked_fill(~keep, finfo.min)).
+        # Finite fills are refused above; a float bias of unknown values is not.
+        return ("a finite mask value on the CPU (SDPA's CPU backward drops rows masked by a finite "
                 "value everywhere)")
     if any(not isinstance(n, int) for t in values for n in t.shape):
         return "dynamic shapes"
