@@ -52,8 +52,8 @@ from torch import fx
 
 from .canon import (broadcasts_to, call_of, device_of, dtype, example_value, fmt_shape, is_identity, known_equal,
                     known_true, shape, written)
-from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, cast_value, causal_source, constant_number,
-                          is_causal_mask, is_mask_value)
+from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, all_true, cast_value, causal_source,
+                          constant_number, is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
 from .mask_structure import notes as structure_notes
 from .mask_structure import band_of, documents_arg
@@ -427,13 +427,6 @@ def _keeps_keys(t: Optional[tuple], s: tuple) -> bool:
             and not (len(t) == len(s) and all(known_equal(x, y) for x, y in zip(t, s))))
 
 
-def _all_true(x: Any, memo: dict) -> bool:
-    if not isinstance(x, fx.Node) or dtype_of(x) != torch.bool:
-        return False
-    a = abstract_value(x, memo)
-    return isinstance(a, Select) and a.aff is None and a.a is True
-
-
 def _is_scalar(x: Any) -> bool:
     """A number, or a tensor of no dims (it broadcasts without widening)."""
     if isinstance(x, (int, float)) or constant_number(x) is not None:
@@ -457,7 +450,7 @@ def _narrower(node: Any, memo: dict) -> Optional[fx.Node]:
     elif c.name == "and" and dtype_of(node) == torch.bool:
         x, y = c["input"], c["other"]
         for keep, other in ((x, y), (y, x)):
-            if _all_true(keep, memo) and isinstance(other, fx.Node) and dtype_of(other) == torch.bool \
+            if all_true(keep, memo) and isinstance(other, fx.Node) and dtype_of(other) == torch.bool \
                     and not written(other):
                 return _narrower(other, memo) or other
     return None

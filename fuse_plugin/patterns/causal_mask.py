@@ -441,7 +441,7 @@ def _abstract_value_uncached(node: fx.Node, memo: dict):
     return None
 
 
-def _integer_affine(x, memo):
+def integer_affine(x, memo):
     """The abstract value of an integer index tensor as an Affine, else None."""
     if not isinstance(x, fx.Node) or dtype(x) is None or dtype(x).is_floating_point or dtype(x) == torch.bool:
         return None
@@ -466,7 +466,7 @@ def _gather(x, index: list, in_rank: int, memo):
         if pos >= len(index):  # a trailing dim, not indexed: stays the same from the right
             coef[d] = coef.get(d, 0) + c
             continue
-        v = _integer_affine(index[pos], memo)
+        v = integer_affine(index[pos], memo)
         if v is None or v.const < 0 or any(vc < 0 for _, vc in v.coef):
             return None  # (a negative index would wrap around)
         for vd, vc in v.coef:
@@ -476,22 +476,28 @@ def _gather(x, index: list, in_rank: int, memo):
     return new if isinstance(x, Affine) else Select(new, x.a, x.b)
 
 
-def _diff(node: fx.Node, memo):
-    """torch.diff(x, dim=-1, prepend=p) of an affine x: the constant step (HF's packed-sequence
-    check on arange position ids)."""
-    c_args = list(node.args)  # torch.diff(x, ...) and x.diff(...) alike
+def diff_args(node: fx.Node) -> tuple:
+    """(x, n, dim, prepend, append) of a torch.diff(x, ...) or x.diff(...) node."""
+    c_args = list(node.args)
     x = c_args[0]
     n = c_args[1] if len(c_args) > 1 else node.kwargs.get("n", 1)
     d = c_args[2] if len(c_args) > 2 else node.kwargs.get("dim", -1)
     prepend = c_args[3] if len(c_args) > 3 else node.kwargs.get("prepend")
     append = c_args[4] if len(c_args) > 4 else node.kwargs.get("append")
+    return x, n, d, prepend, append
+
+
+def _diff(node: fx.Node, memo):
+    """torch.diff(x, dim=-1, prepend=p) of an affine x: the constant step (HF's packed-sequence
+    check on arange position ids)."""
+    x, n, d, prepend, append = diff_args(node)
     xs = shape(x)
-    xa = _integer_affine(x, memo)
+    xa = integer_affine(x, memo)
     if n != 1 or append is not None or xs is None or xa is None or norm_dim(d, len(xs)) != len(xs) - 1:
         return None
     step = xa.get(-1)
     if prepend is not None:  # first element: x[..., 0] - prepend
-        pa = _integer_affine(prepend, memo)
+        pa = integer_affine(prepend, memo)
         if pa is None:
             return None
         first = _affine_sum(affine({k: v for k, v in xa.coef if k != -1}, xa.const), pa, -1)
@@ -501,6 +507,14 @@ def _diff(node: fx.Node, memo):
 
 
 # --------------------------------------------------------------------------- what the values say
+
+
+def all_true(x: Any, memo: dict) -> bool:
+    """A bool tensor proven True everywhere (HF's ``new_ones((), dtype=torch.bool)``, ``arange(L) >= 0``)."""
+    if not isinstance(x, fx.Node) or dtype(x) != torch.bool:
+        return False
+    a = abstract_value(x, memo)
+    return isinstance(a, Select) and a.aff is None and a.a is True
 
 
 def is_causal_mask(node: fx.Node, kind: str, lq, lk) -> bool:

@@ -23,8 +23,8 @@ import torch
 from torch import fx
 
 from .canon import call_of, dtype, is_identity, known_equal, shape, written
-from .causal_mask import (Affine, Select, _integer_affine, abstract_value, causal_source, constant_number,
-                          is_causal_mask)
+from .causal_mask import (Affine, Select, abstract_value, all_true, causal_source, constant_number, diff_args,
+                          integer_affine, is_causal_mask)
 
 
 def _is_keep_mask(p) -> bool:
@@ -254,7 +254,7 @@ def packed_positions(node: Any, memo: dict, lq, lk) -> Optional[tuple]:
     conjuncts = _and_terms(node)
     if conjuncts is None:
         return None
-    conjuncts = [x for x in conjuncts if not _all_true(x)]
+    conjuncts = [x for x in conjuncts if not all_true(x, memo)]
     if len(conjuncts) != 2:
         return None
     doc = pos = None
@@ -286,20 +286,10 @@ def _and_terms(node: Any) -> Optional[list]:
 def _through_identity(x: Any) -> Any:
     while isinstance(x, fx.Node) and not written(x):
         c = call_of(x)
-        if c is None or not (c.name in ("contiguous", "clone") or (c.name == "to" and is_identity(c))):
+        if c is None or not is_identity(c):  # contiguous, clone, a .to that changes nothing
             return x
         x = c["input"]
     return x
-
-
-def _all_true(x: Any) -> bool:
-    """A bool tensor of one element built True (HF's ``new_ones((), dtype=torch.bool)``)."""
-    if not isinstance(x, fx.Node) or x.op not in ("call_function", "call_method") or dtype(x) != torch.bool:
-        return False
-    s = shape(x)
-    if s is None or any(not known_equal(d, 1) for d in s):
-        return False
-    return x.target in ("new_ones", torch.ones) and not written(x)
 
 
 def _lookup(x: Any, memo: dict, lq, lk) -> Optional[tuple]:
@@ -314,7 +304,7 @@ def _lookup(x: Any, memo: dict, lq, lk) -> Optional[tuple]:
     if ts is None or xs is None or len(ts) != 2 or len(xs) != 4 or dt is None or dt.is_floating_point \
             or dt.is_complex or dt == torch.bool:
         return None
-    b, i = _integer_affine(bi, memo), _integer_affine(si, memo)
+    b, i = integer_affine(bi, memo), integer_affine(si, memo)
     bs, ss = shape(bi), shape(si)
     if b is None or i is None or bs is None or ss is None or len(bs) != 4 or len(ss) != 4:
         return None
@@ -382,12 +372,7 @@ def _positions_of(doc: fx.Node) -> Optional[fx.Node]:
     if not isinstance(d, fx.Node) or written(d) or d.op not in ("call_function", "call_method") \
             or d.target not in (torch.diff, "diff"):
         return None
-    dargs = list(d.args)
-    pos = dargs[0]
-    n = dargs[1] if len(dargs) > 1 else d.kwargs.get("n", 1)
-    ddim = dargs[2] if len(dargs) > 2 else d.kwargs.get("dim", -1)
-    prepend = dargs[3] if len(dargs) > 3 else d.kwargs.get("prepend")
-    append = dargs[4] if len(dargs) > 4 else d.kwargs.get("append")
+    pos, n, ddim, prepend, append = diff_args(d)
     ps = shape(pos) if isinstance(pos, fx.Node) else None
     if ps is None or n != 1 or append is not None or ddim not in (-1, len(ps) - 1) or len(ps) != len(ds):
         return None
