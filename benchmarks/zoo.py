@@ -317,6 +317,14 @@ def base(variant: str) -> str:
     return variant.split("@", 1)[0]
 
 
+def _known_switch(variant: str) -> bool:
+    """A ``BASE@SWITCH=value`` variant names one of settings.py's switches."""
+    from fuse_plugin import settings
+
+    name = "FUSE_PLUGIN_" + variant.split("@", 1)[1].partition("=")[0].upper()
+    return "=" in variant and name in vars(settings).values()
+
+
 @contextlib.contextmanager
 def switch_of(variant: str):
     """``FUSE_PLUGIN_<SWITCH>=value`` set while a ``BASE@SWITCH=value`` variant compiles (the
@@ -732,7 +740,8 @@ def parse(argv=None):
     args.variants = [v for v in args.variants.split(",") if v]
     for what, given, known in (("tasks", args.tasks, TASKS), ("modes", args.modes, MODES),
                                ("variants", args.variants, ALL_VARIANTS)):
-        unknown = [x for x in given if (base(x) if what == "variants" else x) not in known]
+        unknown = [x for x in given if (base(x) if what == "variants" else x) not in known
+                   or (what == "variants" and "@" in x and not _known_switch(x))]
         if unknown:
             parser.error(f"unknown {what} {unknown}; known: {list(known)}")
     args.device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"

@@ -188,7 +188,10 @@ def key_padding_skip() -> str:
     value = _raw(KEY_PADDING_SKIP)
     if value is None or value.lower() == "auto":
         return "auto"
-    return "on" if boolean(KEY_PADDING_SKIP, False) else "off"
+    if value.lower() not in TRUE + FALSE:
+        raise ValueError(f"{KEY_PADDING_SKIP} must be auto or one of {', '.join(TRUE + FALSE)} (any case), "
+                         f"got {value!r}")
+    return "on" if value.lower() in TRUE else "off"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -365,14 +365,19 @@ class PackedByPositions(nn.Module):
         keep = q.new_ones((), dtype=torch.bool)
         if self.spell == "anti":  # pos[q] <= pos[kv]: the future, not causal
             keep = keep & (pos_e[b, qi] <= pos_e[b, ki])
-        elif self.spell == "index":  # transformers 5.17: causal on the indices, ids still looked up
+        elif self.spell.startswith("index"):  # transformers 5.17: causal on the indices, ids looked up
             keep = keep & (ki <= qi)
         elif self.spell == "ge":
             keep = keep & (pos_e[b, qi] >= pos_e[b, ki])
         else:
             keep = keep & (pos_e[b, ki] <= pos_e[b, qi])
         other = doc if self.spell != "other_ids" else (pos != 0).cumsum(-1)
-        keep = keep & (other[b, qi] == other[b, ki])
+        if self.spell == "index_ne":  # other documents, not the same one
+            keep = keep & (other[b, qi] != other[b, ki])
+        elif self.spell == "index_rows":  # the ids of batch row B-1-b: rows not along the batch
+            keep = keep & (other[b.flip(0), qi] == other[b.flip(0), ki])
+        else:
+            keep = keep & (other[b, qi] == other[b, ki])
         mask = torch.where(keep.expand(B, -1, L, L), torch.zeros((), dtype=q.dtype), torch.finfo(q.dtype).min)
         return (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + mask).softmax(-1) @ v
 
@@ -402,6 +407,8 @@ def test_packed_positions_become_documents_and_causal(spell):
     ("anti", "the positions compared the other way (keys after the query)"),
     ("step2", "ids that change where the step is not 2: positions then rise by 2 inside a document"),
     ("other_ids", "ids not made from the positions' steps"),
+    ("index_ne", "looked-up ids compared by != (transformers 5.17's form otherwise)"),
+    ("index_rows", "looked-up ids of another batch row"),
 ])
 def test_packed_positions_near_misses_keep_the_bias(spell, why):
     model = PackedByPositions(spell)

@@ -148,6 +148,9 @@ def test_when_it_is_taken(monkeypatch):
     assert not taken(causal=True, window=64)
     monkeypatch.setenv(settings.KEY_PADDING_SKIP, "off")
     assert not taken()
+    monkeypatch.setenv(settings.KEY_PADDING_SKIP, "maybe")
+    with pytest.raises(ValueError, match="FUSE_PLUGIN_KEY_PADDING_SKIP must be auto or one of"):
+        taken()
 
 
 # ------------------------------------------------------------------------------------ kernels
