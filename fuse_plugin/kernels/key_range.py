@@ -41,9 +41,8 @@ import torch
 from .host import NO_BIAS
 from .launch import hint
 
-# A guess, to be measured on the GPU (benchmarks/padding.py): from two key blocks of 128 on there
-# is a whole block a padded row can skip; below, the table's few small kernels (a where, two
-# reductions, a stack: ~10 us of launches) are not worth it.
+# With the switch ``on``: from two key blocks of 128 on there is a whole block a padded row can
+# skip; below, nothing can be skipped (the default, ``auto``, waits for AUTO_MIN_KEYS).
 MIN_KEYS = 256
 
 # The default ("auto"): where the skip was measured faster in both directions (H100, torch 2.11,

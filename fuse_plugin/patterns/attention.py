@@ -1220,9 +1220,7 @@ def _finite_mask_values(part) -> bool:
         if node in seen or depth > 6 or node.op not in ("call_function", "call_method"):
             continue
         seen.add(node)
-        flat = []
-        fx.node.map_aggregate((node.args, tuple(node.kwargs.values())), lambda x: flat.append(x) or x)
-        for a in flat:
+        for a in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
             if isinstance(a, fx.Node):
                 todo.append((a, depth + 1))
             elif isinstance(a, (int, float)) and not isinstance(a, bool) and a != -math.inf and is_mask_value(a):
