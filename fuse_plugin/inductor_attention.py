@@ -26,7 +26,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import settings
-from .passes import FusePluginPass, chained_uuid, get_custom_graph_passes, source_hash
+from .passes import FusePluginPass, chained_uuid, get_custom_graph_passes, lowering_key, source_hash
 
 _SFDP_MODULE = "torch._inductor.fx_passes.fuse_attention"
 
@@ -105,4 +105,4 @@ class AttentionGatePass(CustomGraphPass):
             p(graph)
 
     def uuid(self) -> Any:
-        return chained_uuid([source_hash(), "attention-gate"], self.chained)
+        return chained_uuid([source_hash(), lowering_key(), "attention-gate"], self.chained)

@@ -40,6 +40,20 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
+def lowering_key() -> str:
+    """What decides the graph Inductor compiles besides its input graph: the settings
+    (settings.key(): the rewrite's switches, and what the ops' launches read when traced, e.g. the
+    padding skip, the tables, the family) and the family ``registry.forced`` holds this thread to.
+    Both our passes put it in their uuid: the compile caches (AOTAutograd's and Inductor's FX
+    graph cache) must not hand a graph traced under other settings to this compile. torch 2.11
+    hashes the joint pass's uuid but, where the pre-grad pass runs before the lookup, not the
+    pre-grad pass's (measured: a BERT compiled with the padding skip on, after the same model
+    with it off in one process, ran the off graph's launches; H100, stop 33)."""
+    from .kernels import registry
+
+    return f"{settings.key()},forced={registry.forced_family()}"
+
+
 def get_custom_graph_passes(hook: Any) -> tuple:
     """The passes held by an Inductor hook: torch 2.13 allows a list, torch 2.11 one callable."""
     if hook is None:
@@ -84,7 +98,7 @@ class FusePluginPass(CustomGraphPass):
             # None: this pass then runs before AOTAutograd's cache lookup (Inductor's "early" timing),
             # so a cache hit cannot skip the routing to the ring and the Dynamo guard it installs
             return None
-        return chained_uuid([source_hash(), settings.key(), f"suppressed={getattr(_suppress, 'on', False)}"],
+        return chained_uuid([source_hash(), lowering_key(), f"suppressed={getattr(_suppress, 'on', False)}"],
                             self.chained)
 
 

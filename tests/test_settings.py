@@ -162,6 +162,24 @@ def test_key_covers_what_changes_a_compiled_graph(monkeypatch):
     assert p.uuid() != other
 
 
+def test_both_passes_key_the_caches_on_what_the_traced_launches_read(monkeypatch):
+    """The joint pass's uuid carries the settings and the family registry.forced holds this thread
+    to, as the pre-grad pass's does: torch 2.11 hashes the joint pass but not a pre-grad pass that
+    runs before the cache lookup, and a launch-only switch (the padding skip) left the FX graph as
+    it was, so a second compile under the other value got the first one's launches (stop 33)."""
+    from fuse_plugin.inductor_attention import AttentionGatePass
+    from fuse_plugin.kernels import registry
+
+    for p in (autopatch.FusePluginPass(), AttentionGatePass()):
+        base = p.uuid()
+        monkeypatch.setenv(settings.KEY_PADDING_SKIP, "on")
+        assert p.uuid() != base
+        monkeypatch.delenv(settings.KEY_PADDING_SKIP)
+        with registry.forced("general"):
+            assert p.uuid() != base
+        assert p.uuid() == base
+
+
 def _table_rows(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip().startswith("| FUSE_")]
 

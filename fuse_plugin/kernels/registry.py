@@ -459,6 +459,12 @@ def forced(name: Optional[str]):
         _state.forced = old
 
 
+def forced_family() -> Optional[str]:
+    """The family ``forced`` holds this thread to (None: none); part of the compile caches' key
+    (passes.lowering_key): it decides the launches a traced op decomposes into."""
+    return getattr(_state, "forced", None)
+
+
 def _forced_name(call) -> Optional[str]:
     cfg = call.config
     if isinstance(cfg, attention_small.SmallConfig):
@@ -470,7 +476,7 @@ def _forced_name(call) -> Optional[str]:
         return "gluon" if kernel in GLUON_FWD_KERNELS + GLUON_BWD_KERNELS else kernel
     from .. import settings
 
-    name = getattr(_state, "forced", None) or settings.attention_family()
+    name = forced_family() or settings.attention_family()
     if name is not None and name not in NAMES:
         raise ValueError(f"{settings.ATTENTION_FAMILY}={name!r} names no attention kernel family; "
                          f"families: {', '.join(NAMES)} (or auto)")

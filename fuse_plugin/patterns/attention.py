@@ -1245,14 +1245,14 @@ def why_not_sdpa(site: AttentionSite) -> Optional[str]:
     if any(isinstance(p, MaskFill) and p.value != -math.inf for p in site.bias_parts):
         return "a finite fill (the op's replace mask)"
     values = [site.q.value(), site.k.value()]
-    if values[0].device.type == "cpu" and any(_finite_mask_values(p) for p in site.bias_parts):
-        # torch 2.13's CPU SDPA (flash) backward gives 0 to a row whose every visible score carries
-        # finfo.min (its forward, like eager, averages them), where eager's gradient is not 0 (the
-        # fuzzer: seed 1073, a causal finfo.min term beside a -inf padding fill hiding a row's one
-        # causal key; seed 2452, a random keep mask added as zeros.masked_fill(~keep, finfo.min)).
-        # Finite fills are refused above; a float bias of unknown values is not.
-        return ("a finite mask value on the CPU (SDPA's CPU backward drops rows masked by a finite "
-                "value everywhere)")
+    if any(_finite_mask_values(p) for p in site.bias_parts):
+        # A row whose every visible score carries finfo.min: eager (and SDPA's MATH backend) average
+        # it, but SDPA's backward drops it, on the CPU (torch 2.13's flash backward gives it 0; the
+        # fuzzer's seeds 1073 and 2452) and on CUDA (the efficient and cuDNN backends' gradients
+        # differ from MATH's; H100, torch 2.11, stop 33). Finite fills are refused above; a float
+        # bias of unknown values is not.
+        return ("a finite mask value (SDPA's backward drops rows masked by a finite value "
+                "everywhere)")
     if any(not isinstance(n, int) for t in values for n in t.shape):
         return "dynamic shapes"
     return None
