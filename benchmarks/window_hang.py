@@ -1,12 +1,15 @@
-"""Which tiles hang the windowed atomic backward on this GPU (NOTES.md attempt 36).
+"""Which tiles hang the windowed atomic backward on this GPU (NOTES.md attempts 36, 48).
 
     python benchmarks/window_hang.py [--timeout 25]
 
-On the H200 (Triton 3.6) the general atomic backward with a sliding window never finished with
-2-stage tiles and ran with 1-stage ones; registry.General.config therefore runs a windowed
-backward unpipelined. Each case here runs in its own process with a timeout (a hung kernel would
-otherwise hold the whole device call): the explicit configs bypass that override, the last cases
-go through the registry as users do. Prints one line per case: ok (seconds, checksums) or TIMEOUT.
+On the H200 and the H100 (Triton 3.6) the general atomic backward with a sliding window never
+finished with 2-stage tiles and ran with 1-stage ones, so it ran unpipelined until stop 33 found
+the cause: the full loop's rotation `(j + pid_n) % n_full`, whose modulus is 0 for a key block
+with no fully visible query block; the pipelined loop's prologue computes that row before its
+trip-count test. The modulus is now at least 1 and the windowed backward takes the plain
+problem's (pipelined) tiles. Each case here runs in its own process with a timeout (a hung kernel
+would otherwise hold the whole device call): the explicit configs as given, the last cases through
+the registry as users do. Prints one line per case: ok (seconds, checksums) or TIMEOUT.
 """
 from __future__ import annotations
 

@@ -361,9 +361,7 @@ def attention_bwd_kernel(
     if ONE_KEY_BLOCK:
         end = Lq  # each program stores its rows' dQ: rows the window hides get their zeros too
     # The masked blocks, [lo, mid) then (with a window) [tail, end), walked by one loop (so the
-    # kernel keeps the two loops it has without a window). The windowed kernel runs unpipelined
-    # (registry.General.config): with num_stages 2 it hung the GPU (H200, Triton 3.6), with this
-    # loop and with a separate third one alike.
+    # kernel keeps the two loops it has without a window).
     tail = mid + n_full * BLOCK_M
     n_lo = tl.cdiv(tl.maximum(mid - lo, 0), BLOCK_M)
     n_masked = n_lo + tl.cdiv(tl.maximum(end - tail, 0), BLOCK_M)
@@ -426,8 +424,12 @@ def attention_bwd_kernel(
                     window, doc_base)
         # Fully visible blocks, visited from a per-program rotation so that the key blocks of
         # one head do not all add into the same dQ rows at the same time.
+        # The modulus is never 0, even where the loop runs no iteration: a pipelined loop's
+        # prologue computes its first row before the trip-count test, and a modulo by 0 hung the
+        # GPU (a windowed key block past every full query block, 2 stages; H200 and H100, Triton
+        # 3.6; NOTES attempt 36 / stop 33).
         for j in range(0, n_full_h):
-            start_m = mid_h + ((j + pid_n) % n_full_h) * BLOCK_M
+            start_m = mid_h + ((j + pid_n) % tl.maximum(n_full_h, 1)) * BLOCK_M
             dk0, dk1, dk2, dv0, dv1 = _bwd_step(
                 k0, k1, k2, v0, v1, dk0, dk1, dk2, dv0, dv1, q_base, do_base, dq_base, bias_base,
                 ds_base, cq_base, sq_base, Delta, RowM, RowR, stat_base, start_n, start_m,

@@ -126,9 +126,10 @@ def attention_bwd_tma_kernel(
                                    score_scale, IS_CAUSAL, True, True, TMA_REDUCE, D, BLOCK_M,
                                    PRECISION, UPCAST_DOT)
         # Fully visible blocks from a per-program rotation (key blocks of one head do not all
-        # reduce into the same dQ rows at once).
+        # reduce into the same dQ rows at once); never a modulo by 0, even with no iteration (a
+        # pipelined prologue computes the first row: attention_bwd.py's atomic backward hung so).
         for j in range(0, n_full):
-            start_m = mid + ((j + pid_n) % n_full) * BLOCK_M
+            start_m = mid + ((j + pid_n) % tl.maximum(n_full, 1)) * BLOCK_M
             dk, dv = _tma_bwd_step(k, v, dk, dv, q_desc, do_desc, dq_desc, dq_base, b, h, RowM,
                                    Delta, stat_base, start_n, start_m, offs_n, offs_m, Lq, Lk,
                                    score_scale, IS_CAUSAL, False, True, TMA_REDUCE, D, BLOCK_M,

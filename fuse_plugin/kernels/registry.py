@@ -408,11 +408,6 @@ class General(Family):
             heuristic = forward_config if call.direction == "fwd" else backward_config
             entry = fit_smem(call.direction, heuristic(D, Dv, call.q.dtype), D, Dv,
                              call.q.element_size(), call.bias_elt, call.q.device)
-        if call.banded and call.direction == "bwd" and entry.num_stages > 1:
-            # The windowed atomic backward hung the GPU (H200, Triton 3.6) with its pipelined
-            # tiles (64, 128, 8 warps, 2 stages) and ran with (64, 64, 4, 1): unpipelined here
-            # (documents too: the same merged loop of masked blocks).
-            entry = entry._replace(num_stages=1)
         return rope_adjust(call.direction, entry, call.q.dtype, call.rc)
 
     def run(self, call, cfg, out_layout):
