@@ -260,12 +260,12 @@ def window_section(data: dict) -> list[str]:
 
 
 def masks_section(data: dict) -> list[str]:
-    """Issue 31's other structures: packed documents and attention sinks (kernels)."""
+    """Issue 31's other structures: packed documents, per-key padding and attention sinks."""
     m = data.get("masks")
     if not m:
         return []
     d, k = m["documents"], m["sinks"]
-    out = ["### Packed documents and attention sinks (issue 31)", "",
+    out = ["### Packed documents, padding and attention sinks (issue 31)", "",
            f"**Documents** ({d['unit']}). " + setup_line(d["provenance"]), ""]
     out += _table(["L", "documents", "causal-general fwd / bwd", "documents fwd / bwd", "sdpa-mask fwd / bwd",
                    "r (live / causal)", "vs ideal (Must <= 1.25)", "vs sdpa"],
@@ -279,9 +279,30 @@ def masks_section(data: dict) -> list[str]:
                       [[r["L"], r["docs"], r["documents"], f"{r['batched_general']} / {r['batched_chosen']}",
                         r["docs_over_batched"], r["batched_general_over_ideal"], r["batched_chosen_over_ideal"]]
                        for r in c["rows"]])
+    if m.get("padding"):
+        out += padding_lines(m["padding"])
     out += ["", f"**Sinks** ({k['unit']}). " + setup_line(k["provenance"]), ""]
     out += _table(["layer", "attention", "sinks", "sinks / attention (Must <= 1.05)"],
                   [[r["layer"], r["attention"], r["sinks"], f"{r['sinks'] / r['attention']:.3f}"] for r in k["rows"]])
+    return out
+
+
+def padding_lines(p: dict) -> list[str]:
+    """Per-key padding masks: the kernels' skip against dense, and the BERT step with its ceiling."""
+    out = ["", f"**Padding** ({p['unit']}). " + setup_line(p["provenance"]), ""]
+    out += _table(["L", "live", "dense fwd / bwd", "skip fwd / bwd", "sdpa fwd / bwd", "skip / dense (fwd + bwd)",
+                   "skip vs sdpa", "stop"],
+                  [[r["L"], r["live"], _pair(r["dense"]), _pair(r["skip"]), _pair(r["sdpa"]),
+                    f"{sum(r['skip']) / sum(r['dense']):.3f}", f"{sum(r['sdpa']) / sum(r['skip']):.2f}x", r["stop"]]
+                   for r in p["kernels"]])
+    out += ["", "BERT-base training step:", ""]
+    out += _table(["L", "padding", "dense tokens/s", "skip tokens/s", "skip / dense", "attention us/step dense / skip",
+                   "attention saved (ideal)", "ceiling"],
+                  [[r["L"], r["padding"], r["dense"] or "-", r["skip"] or "-",
+                    f"{r['skip'] / r['dense']:.3f}" if r["dense"] else r.get("about", "-"),
+                    _pair(r["attention_us"]) if r["attention_us"] else "-",
+                    f"{r['saved']} ({r['ideal']})" if r["saved"] else f"- ({r['ideal']})", r["ceiling"]]
+                   for r in p["model"]])
     return out
 
 
