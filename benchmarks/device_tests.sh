@@ -15,9 +15,10 @@ FILES="tests/test_attention_cudnn.py tests/test_attention_decode.py tests/test_a
 if [ "${TESTS:-1}" != 0 ]; then
   start=$(date +%s)
   timeout ${TEST_LIMIT:-540} python3 -m pytest -q -n ${WORKERS:-12} --timeout 300 -p no:cacheprovider \
-    --durations 15 $FILES -rfE > "$OUT/pytest.log" 2>&1
+    --durations 15 $FILES -rfEs > "$OUT/pytest.log" 2>&1
   echo "pytest rc=$? in $(( $(date +%s) - start )) s"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+  grep -E "^SKIPPED" "$OUT/pytest.log" | cut -c1-160 | sort | uniq -c | sort -rn | head -8  # why things skip
   tail -2 "$OUT/pytest.log"
 fi
 [ "${CHECKS:-1}" = 0 ] && exit 0
