@@ -29,9 +29,12 @@ plugin (its SDPA call sites weighed by the choice, issue 30), with its own ratio
 ``FUSE_PLUGIN_<SWITCH>=value`` (docs/SETTINGS.md), a column of its own beside BASE's (its own
 graph: Dynamo's cache is keyed on the plugin's switches, fuse_plugin/dynamo_cache.py). Method as shapes.py: every variant of a row is built in one
 process (its own model, seeded alike, compiled with 3 warm-up steps), then ``--rounds`` rounds in
-which the variants take turns, each running ``--steps`` steps synchronised once, the garbage
-collector off inside a timed run; a cell is the median of its rounds in images/s (best in
-brackets), ``plugin / best`` the plugin's median over the better of compile and fused+compile.
+which the variants take turns (each round starting one variant later, ``round_order``), each
+running ``--steps`` steps synchronised once, the garbage collector off inside a timed run; a cell
+is the median of its rounds in images/s (best in brackets), ``plugin / best`` the plugin's median
+over the better of compile and fused+compile, and in brackets the paired ratio (``paired_ratio``:
+the median over rounds of the plugin against the faster stock run of the same round; host noise
+that moves a whole round moves both sides of each of its ratios).
 
 Per row also: ``attn fused / left`` = the attention sites the plugin's rewrite fused and those it
 matched but left to Inductor by its per-shape choice (``counters["fuse_plugin"]["attention"]`` and
@@ -486,10 +489,10 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
     gc.freeze()
     times = {v: [] for v in steps}
     graphs, t1 = graphs_compiled(), time.perf_counter()
-    for _ in range(args.rounds):
-        for variant, (step, _kept) in steps.items():
+    for i in range(args.rounds):
+        for variant in round_order(list(steps), i):
             with _variant_context(variant):
-                times[variant].append(timed_run(step, args.steps, lambda: sync(args.device)))
+                times[variant].append(timed_run(steps[variant][0], args.steps, lambda: sync(args.device)))
     row["recompiles"], row["timing_s"] = graphs_compiled() - graphs, time.perf_counter() - t1
     for variant, rounds in times.items():
         ts, cell = sorted(rounds), row["variants"][variant]
@@ -497,9 +500,10 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
         cell["img_s"] = args.batch * args.steps / ts[len(ts) // 2]
         cell["best_img_s"] = args.batch * args.steps / ts[0]
     gc.unfreeze()
-    row["plugin_vs_best"] = ratio(row)
+    row["plugin_vs_best"], row["plugin_vs_best_paired"] = ratio(row), paired_ratio(row)
     if "plugin-fused" in times:
         row["plugin_fused_vs_best"] = ratio(row, "plugin-fused")
+        row["plugin_fused_vs_best_paired"] = paired_ratio(row, "plugin-fused")
     for variant, (step, _kept) in steps.items() if args.profile and args.device == "cuda" else ():
         with _variant_context(variant):
             row["variants"][variant]["profile"] = profile_steps(
@@ -531,6 +535,31 @@ def ratio(row, variant="plugin") -> float | None:
     plugin = img_s(row, variant)
     stock = [x for x in (img_s(row, v) for v in STOCK) if x]
     return round(plugin / max(stock), 3) if plugin and stock else None
+
+
+def round_order(variants: list, i: int) -> list:
+    """Round i's order: the variants rotated by i, so that no variant always runs first or right
+    after another (a host state left by one variant lands on each in turn)."""
+    k = i % len(variants) if variants else 0
+    return variants[k:] + variants[:k]
+
+
+def paired_ratio(row, variant="plugin") -> float | None:
+    """The median over rounds of ``variant``'s speed over the faster stock variant's in the same
+    round (``rounds_s``: one run per variant per round). Host noise that moves a whole round moves
+    both sides of each ratio; ``ratio`` compares medians taken separately. None without rounds."""
+    cells = row.get("variants", {})
+    mine = cells.get(variant, {}).get("rounds_s")
+    stock = [cells[v]["rounds_s"] for v in STOCK if "rounds_s" in cells.get(v, {})]
+    if not mine or not stock or any(len(t) != len(mine) for t in stock):
+        return None
+    ratios = sorted(min(t[i] for t in stock) / mine[i] for i in range(len(mine)))
+    return round(ratios[len(ratios) // 2], 3)
+
+
+def _ratio_cell(row, variant) -> str:
+    r, p = ratio(row, variant), paired_ratio(row, variant)
+    return (f"{r:.2f}" if r else "-") + (f" (paired {p:.2f})" if p else "")
 
 
 def fmt_cell(row, variant) -> str:
@@ -566,18 +595,17 @@ def table(rows, variants) -> list[str]:
             lines.append(head + row["error"] + " |" * (len(variants) + 5 + 2 * fused))
             continue
         cells = [fmt_cell(row, v) for v in variants]
-        r = ratio(row)
         plugin = row["variants"].get("plugin", {})
         sites = (f"{plugin['attention']}{_as_sdpa(plugin)} / {plugin['attention_left']}" if "attention" in plugin
                  else "-")
         par = f"{plugin['max_abs']:.2e} ({plugin['rel']:.1e})" if "max_abs" in plugin else "-"
         graphs = "/".join(str(row["variants"][v].get("graphs", "-")) for v in variants if v in row["variants"])
-        line = (head + " | ".join(cells) + f" | {f'{r:.2f}' if r else '-'} | {sites} | {par} | {graphs} | "
+        line = (head + " | ".join(cells) + f" | {_ratio_cell(row, 'plugin')} | {sites} | {par} | {graphs} | "
                 f"{row.get('recompiles', '-')} |")
         if fused:
-            pf, rf = row["variants"].get("plugin-fused", {}), ratio(row, "plugin-fused")
+            pf = row["variants"].get("plugin-fused", {})
             pf_sites = f"{pf['sdpa']} / {pf['sdpa_left']}" if "sdpa" in pf else "-"  # its SDPA call sites
-            line += f" {f'{rf:.2f}' if rf else '-'} | {pf_sites} |"
+            line += f" {_ratio_cell(row, 'plugin-fused')} | {pf_sites} |"
         lines.append(line)
     return lines
 

@@ -117,6 +117,20 @@ def test_ratio_against_the_better_stock_variant():
     assert zoo.img_s(rows[1], "fused+compile") == 800.0
 
 
+def test_rounds_rotate_and_the_paired_ratio():
+    """Each round starts one variant later (zoo.round_order); the paired ratio is the median of the
+    per-round ratios against the faster stock run of the same round."""
+    assert [zoo.round_order(["a", "b", "c"], i) for i in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    row = {"variants": {"compile": {"rounds_s": [2.0, 4.0, 2.0]}, "fused+compile": {"rounds_s": [1.0, 2.2, 1.0]},
+                        "plugin": {"rounds_s": [1.0, 2.0, 1.25]}}}
+    # per round: 1.0 / 1.0, 2.2 / 2.0, 1.0 / 1.25 -> sorted 0.8, 1.0, 1.1 -> median 1.0
+    assert zoo.paired_ratio(row) == 1.0
+    assert zoo.paired_ratio(row, "plugin-fused") is None
+    row["variants"]["plugin"]["rounds_s"] = [1.0]  # rounds that do not pair up
+    assert zoo.paired_ratio(row) is None
+
+
 def test_table():
     variants = list(zoo.VARIANTS)
     lines = zoo.table(_rows(), variants)
