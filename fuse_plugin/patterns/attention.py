@@ -1247,10 +1247,10 @@ def why_not_sdpa(site: AttentionSite) -> Optional[str]:
     values = [site.q.value(), site.k.value()]
     if any(_finite_mask_values(p) for p in site.bias_parts):
         # A row whose every visible score carries finfo.min: eager (and SDPA's MATH backend) average
-        # it, but SDPA's backward drops it, on the CPU (torch 2.13's flash backward gives it 0; the
-        # fuzzer's seeds 1073 and 2452) and on CUDA (the efficient and cuDNN backends' gradients
-        # differ from MATH's; H100, torch 2.11, stop 33). Finite fills are refused above; a float
-        # bias of unknown values is not.
+        # it, but SDPA drops it, on the CPU (torch 2.13's flash backward gives it 0; the fuzzer's
+        # seeds 1073 and 2452) and on CUDA (the efficient and cuDNN backends: output 0.44 off
+        # MATH's, dq 0; H100, torch 2.11, stop 33). Finite fills are refused above; a float bias
+        # of unknown values is not.
         return ("a finite mask value (SDPA's backward drops rows masked by a finite value "
                 "everywhere)")
     if any(not isinstance(n, int) for t in values for n in t.shape):
