@@ -63,6 +63,25 @@ def timed_run(step, steps: int, sync=None) -> float:
         gc.collect()
 
 
+def round_order(variants: list, i: int) -> list:
+    """Round i's order of an interleaved A/B: the variants rotated by i, so that no variant always
+    runs first or right after another (a host state one leaves lands on each in turn). shapes.py,
+    zoo.py."""
+    k = i % len(variants) if variants else 0
+    return variants[k:] + variants[:k]
+
+
+def paired_median(mine: list, others: list) -> float | None:
+    """The median over rounds of ``min(others' times in round i) / mine[i]`` (``mine``: one
+    variant's seconds per round; ``others``: the rivals' lists, aligned by round): each round's
+    ratio is taken inside the round, so host noise that moves a whole round moves both of its
+    sides. None where the rounds do not pair up."""
+    if not mine or not others or any(len(t) != len(mine) for t in others):
+        return None
+    ratios = sorted(min(t[i] for t in others) / mine[i] for i in range(len(mine)))
+    return round(ratios[len(ratios) // 2], 3)
+
+
 def sdpa_autograd_ms(q, k, v, mask) -> dict:
     """{"fwd", "bwd"} device ms of F.scaled_dot_product_attention with ``mask`` and its autograd
     backward (total minus forward), plain do_bench, best of two medians: timed without CUDA graphs,

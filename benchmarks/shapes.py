@@ -38,7 +38,9 @@ The garbage collector is off inside a timed run (collected between runs, as time
 A cell is the median of its rounds (the best in brackets): the host of the device machine drifts
 by 10-30% over minutes, and interleaving puts that drift on every variant alike (variants
 measured one after another, minutes apart, disagreed with each other by that much: RESULTS.md,
-stop 14). The last table: host µs per op call (overhead.py's compiled rows) next to SDPA's.
+stop 14). Each round starts one variant later (common.round_order), and the ratio cells carry the
+paired ratio beside the ratio of medians: the median of each round's own ratio
+(common.paired_median), which noise moving a whole round cancels out of. The last table: host µs per op call (overhead.py's compiled rows) next to SDPA's.
 
 ``--profile N`` then profiles N more steps of each variant (torch.profiler, kernels inside
 CUDA-graph replays included) and prints per step: the host's time to issue a step, wall, GPU
@@ -55,7 +57,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import emit, profile_steps, timed_run
+from common import emit, paired_median, profile_steps, round_order, timed_run
 from torch import nn
 
 import fuse_plugin
@@ -295,14 +297,15 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
     if rounds == 0:  # --rounds 0: compile and warm up only (fills Inductor's and Triton's caches)
         log(f"  {name:20} {mode:16} compiled and warmed up: {', '.join(steps_of)}   ({compiled_s:.0f} s)")
         return
-    for _ in range(rounds):
-        for variant, (step, *_rest) in steps_of.items():
+    for i in range(rounds):
+        for variant in round_order(list(steps_of), i):
             with _variant_context(variant):
-                times[variant].append(timed_run(step, steps))
+                times[variant].append(timed_run(steps_of[variant][0], steps))
     for variant in steps_of:
         ts = sorted(times[variant])
         results[(name, mode, variant)] = items * steps / ts[len(ts) // 2]
         results[(name, mode, variant, "best")] = items * steps / ts[0]
+        results[(name, mode, variant, "rounds")] = times[variant]
     for variant, (step, *_rest) in steps_of.items() if profile else ():
         with _variant_context(variant):
             log(profile_steps(step, profile, f"{name} {mode} {variant}"))
@@ -313,7 +316,8 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
 
 
 def table(results, rows, modes, variants) -> list[str]:
-    """Cells: median of the interleaved rounds (best in brackets); the ratio is of the medians."""
+    """Cells: median of the interleaved rounds (best in brackets); the ratio is of the medians, with
+    the paired ratio beside it (the median of the rounds' own ratios, ``_paired``)."""
     sdpa = "plugin-sdpa" in variants and "sdpa+compile" in variants
     lines = ["| row | mode | " + " | ".join(variants) + " | plugin / best other |"
              + (" plugin-sdpa / sdpa+compile |" if sdpa else ""),
@@ -323,15 +327,25 @@ def table(results, rows, modes, variants) -> list[str]:
             vals = {v: results.get((name, mode, v)) for v in variants}
             cells = [f"{vals[v]:.0f} ({results[(name, mode, v, 'best')]:.0f})" if isinstance(vals[v], float)
                      else str(vals[v]) for v in variants]
-            others = [x for v, x in vals.items() if not v.startswith("plugin") and isinstance(x, float)]
-            ratio = (f"{vals['plugin'] / max(others):.2f}"
+            others = [v for v, x in vals.items() if not v.startswith("plugin") and isinstance(x, float)]
+            ratio = (f"{vals['plugin'] / max(vals[v] for v in others):.2f}"
+                     + _paired(results, name, mode, "plugin", others)
                      if isinstance(vals.get("plugin"), float) and others else "-")
             line = f"| {name} | {mode} | " + " | ".join(cells) + f" | {ratio} |"
             if sdpa:
                 a, b = vals.get("plugin-sdpa"), vals.get("sdpa+compile")
-                line += f" {a / b:.2f} |" if isinstance(a, float) and isinstance(b, float) else " - |"
+                line += (f" {a / b:.2f}{_paired(results, name, mode, 'plugin-sdpa', ['sdpa+compile'])} |"
+                         if isinstance(a, float) and isinstance(b, float) else " - |")
             lines.append(line)
     return lines
+
+
+def _paired(results, name, mode, variant, others) -> str:
+    """" (paired x)": the median over rounds of ``variant`` against the fastest of ``others`` in the
+    same round (common.paired_median); "" where the rounds are not recorded."""
+    p = paired_median(results.get((name, mode, variant, "rounds")),
+                      [results[(name, mode, v, "rounds")] for v in others if (name, mode, v, "rounds") in results])
+    return f" (paired {p:.2f})" if p else ""
 
 
 def report(header, results, rows, modes, variants) -> list[str]:

@@ -29,7 +29,7 @@ plugin (its SDPA call sites weighed by the choice, issue 30), with its own ratio
 ``FUSE_PLUGIN_<SWITCH>=value`` (docs/SETTINGS.md), a column of its own beside BASE's (its own
 graph: Dynamo's cache is keyed on the plugin's switches, fuse_plugin/dynamo_cache.py). Method as shapes.py: every variant of a row is built in one
 process (its own model, seeded alike, compiled with 3 warm-up steps), then ``--rounds`` rounds in
-which the variants take turns (each round starting one variant later, ``round_order``), each
+which the variants take turns (each round starting one variant later, common.round_order), each
 running ``--steps`` steps synchronised once, the garbage collector off inside a timed run; a cell
 is the median of its rounds in images/s (best in brackets), ``plugin / best`` the plugin's median
 over the better of compile and fused+compile, and in brackets the paired ratio (``paired_ratio``:
@@ -98,7 +98,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import emit, profile_steps, timed_run
+from common import emit, paired_median, profile_steps, round_order, timed_run
 from torch import nn
 
 VARIANTS = ("compile", "fused+compile", "plugin")
@@ -537,24 +537,13 @@ def ratio(row, variant="plugin") -> float | None:
     return round(plugin / max(stock), 3) if plugin and stock else None
 
 
-def round_order(variants: list, i: int) -> list:
-    """Round i's order: the variants rotated by i, so that no variant always runs first or right
-    after another (a host state left by one variant lands on each in turn)."""
-    k = i % len(variants) if variants else 0
-    return variants[k:] + variants[:k]
-
-
 def paired_ratio(row, variant="plugin") -> float | None:
     """The median over rounds of ``variant``'s speed over the faster stock variant's in the same
-    round (``rounds_s``: one run per variant per round). Host noise that moves a whole round moves
-    both sides of each ratio; ``ratio`` compares medians taken separately. None without rounds."""
+    round (``rounds_s``; common.paired_median); ``ratio`` compares medians taken separately.
+    None without paired rounds."""
     cells = row.get("variants", {})
-    mine = cells.get(variant, {}).get("rounds_s")
     stock = [cells[v]["rounds_s"] for v in STOCK if "rounds_s" in cells.get(v, {})]
-    if not mine or not stock or any(len(t) != len(mine) for t in stock):
-        return None
-    ratios = sorted(min(t[i] for t in stock) / mine[i] for i in range(len(mine)))
-    return round(ratios[len(ratios) // 2], 3)
+    return paired_median(cells.get(variant, {}).get("rounds_s"), stock)
 
 
 def _ratio_cell(row, variant) -> str:

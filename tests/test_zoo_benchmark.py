@@ -118,10 +118,20 @@ def test_ratio_against_the_better_stock_variant():
 
 
 def test_rounds_rotate_and_the_paired_ratio():
-    """Each round starts one variant later (zoo.round_order); the paired ratio is the median of the
-    per-round ratios against the faster stock run of the same round."""
-    assert [zoo.round_order(["a", "b", "c"], i) for i in range(4)] == [
+    """Each round starts one variant later (common.round_order); the paired ratio is the median of
+    the per-round ratios against the faster stock run of the same round (zoo.py and shapes.py)."""
+    import common
+    import shapes
+
+    assert [common.round_order(["a", "b", "c"], i) for i in range(4)] == [
         ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    results = {("r", "default", "compile"): 100.0, ("r", "default", "compile", "best"): 120.0,
+               ("r", "default", "compile", "rounds"): [1.0, 1.2, 1.0],
+               ("r", "default", "plugin"): 99.0, ("r", "default", "plugin", "best"): 125.0,
+               ("r", "default", "plugin", "rounds"): [0.9, 1.25, 0.95]}
+    line = shapes.table(results, ["r"], ["default"], ["compile", "plugin"])[-1]
+    # medians 99 / 100; per round 1.0 / 0.9, 1.2 / 1.25, 1.0 / 0.95 -> median 1.053
+    assert line == "| r | default | 100 (120) | 99 (125) | 0.99 (paired 1.05) |", line
     row = {"variants": {"compile": {"rounds_s": [2.0, 4.0, 2.0]}, "fused+compile": {"rounds_s": [1.0, 2.2, 1.0]},
                         "plugin": {"rounds_s": [1.0, 2.0, 1.25]}}}
     # per round: 1.0 / 1.0, 2.2 / 2.0, 1.0 / 1.25 -> sorted 0.8, 1.0, 1.1 -> median 1.0
