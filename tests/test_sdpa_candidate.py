@@ -379,6 +379,23 @@ def test_bias_source_near_misses():
     assert got == {"param": True, "buffer": False, "inf": False, "exp": False, "half": False}
 
 
+def finite_causal_only(q, k, v):
+    """An additive finfo.min causal mask alone (HF's eager mask without padding)."""
+    L = q.shape[-2]
+    m = torch.full((L, L), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device).triu(1)
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25 + m, dim=-1) @ v
+
+
+def test_a_finite_causal_mask_alone_may_become_sdpa(monkeypatch):
+    """Every row of a causal mask keeps its own key, so no row carries finite mask values only: the
+    guard of the two tests above does not apply, and the site becomes an SDPA call with eager's
+    numbers (forward and gradients)."""
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "sdpa")
+    targets, report = rewritten(finite_causal_only, *qkv())
+    assert F.scaled_dot_product_attention in targets and attention.ATTENTION_OP not in targets
+    check_parity(finite_causal_only, *qkv())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA SDPA backends run on a GPU")
 @pytest.mark.parametrize("fn", [finite_causal_and_padding, added_finite_mask], ids=["causal_then_padding",
                                                                                   "added_masked_fill"])
@@ -396,19 +413,12 @@ def test_finite_mask_values_keep_our_op_on_cuda(monkeypatch, fn):
     dout = torch.randn_like(want)
     want_g = torch.autograd.grad(want, leaves, dout)
     cuda = [t.float().cuda().requires_grad_() for t in (q, k, v)]
-    torch._dynamo.reset()
-    targets = []
-
-    def backend(gm, example_inputs):
-        report = rewrite(gm)
-        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        assert "no SDPA call computes a finite mask value" in _fused(report)[0]
-        from torch._dynamo.backends.common import aot_autograd
-        return aot_autograd(fw_compiler=lambda g, _: g.forward)(gm, example_inputs)
-
-    got = torch.compile(fn, backend=backend)(*cuda, keep.cuda())
-    torch._dynamo.reset()
+    targets, report = rewritten(fn, *cuda, keep.cuda())
     assert attention.ATTENTION_OP in targets and F.scaled_dot_product_attention not in targets
+    assert "no SDPA call computes a finite mask value" in _fused(report)[0]
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend=rewrite_aot_eager)(*cuda, keep.cuda())
+    torch._dynamo.reset()
     got_g = torch.autograd.grad(got, cuda, dout.float().cuda())
     for name, a, b in zip(("out", "dq", "dk", "dv"), (got,) + got_g, (want,) + want_g):
         err = ((a.double().cpu() - b).norm() / b.norm()).item()

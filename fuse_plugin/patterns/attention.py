@@ -1245,12 +1245,14 @@ def why_not_sdpa(site: AttentionSite) -> Optional[str]:
     if any(isinstance(p, MaskFill) and p.value != -math.inf for p in site.bias_parts):
         return "a finite fill (the op's replace mask)"
     values = [site.q.value(), site.k.value()]
-    if any(_finite_mask_values(p) for p in site.bias_parts):
+    finite = [p for p in site.bias_parts if _finite_mask_values(p)]
+    if any(isinstance(p, BiasTerm) for p in finite) or (finite and len(site.bias_parts) > 1):
         # A row whose every visible score carries finfo.min: eager (and SDPA's MATH backend) average
         # it, but SDPA drops it, on the CPU (torch 2.13's flash backward gives it 0; the fuzzer's
         # seeds 1073 and 2452) and on CUDA (the efficient and cuDNN backends: output 0.44 off
-        # MATH's, dq 0; H100, torch 2.11, stop 33). Finite fills are refused above; a float bias
-        # of unknown values is not.
+        # MATH's, dq 0; H100, torch 2.11, stop 33). A finite causal part alone never makes such a
+        # row (every row keeps key 0 and its own key): only beside another part that can hide
+        # keys. Finite fills are refused above; a float bias of unknown values is not.
         return ("a finite mask value (SDPA's backward drops rows masked by a finite value "
                 "everywhere)")
     if any(not isinstance(n, int) for t in values for n in t.shape):
