@@ -2,6 +2,7 @@
 CI installs and the GPU machine does not have: a module-level importorskip of it (or an import of
 a module that needs it) skipped a whole file there, its GPU tests included, in every device run
 until stop 33 (tests/test_sdpa_candidate.py)."""
+import ast
 import re
 import subprocess
 import sys
@@ -27,10 +28,24 @@ def gpu_files() -> list[str]:
     return block.split()
 
 
+def imported_tests_modules(path: Path) -> set[str]:
+    """The modules of tests/ that a file imports anywhere, inside its functions too (stop 34: a test's
+    own `from test_spellings import ...` failed on the GPU machine, where the module-level check
+    above could not see it)."""
+    local = {p.stem for p in (ROOT / "tests").glob("*.py")}
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+    return names & local
+
+
 def test_gpu_suite_modules_import_without_expecttest():
     files = gpu_files()
     assert len(files) > 10 and all((ROOT / f).is_file() for f in files), files
-    names = [Path(f).stem for f in files]
+    names = sorted({Path(f).stem for f in files}.union(*(imported_tests_modules(ROOT / f) for f in files)))
     r = subprocess.run([sys.executable, "-c", _IMPORT_ALL, *names], capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]

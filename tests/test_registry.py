@@ -200,8 +200,10 @@ def test_windows_left_to_inductor_by_rule_where_unmeasured(monkeypatch):
     """Swin's windows (<= 64 tokens, head dim <= 32, a float bias): on the GPU, with no table entry,
     the measured rule leaves them to Inductor (the general kernels ran Swin-T at 0.46x stock); a
     table entry decides instead; longer windows and the CPU take our op."""
-    pytest.importorskip("expecttest", reason="test_spellings (the Swin module) needs expecttest")
-    from test_spellings import SWIN, shifted_window_mask, swin
+    from models_plain import WindowAttention, shifted_window_mask, swin
+
+    torch.manual_seed(0)
+    SWIN = WindowAttention()
 
     from fuse_plugin.patterns import attention
 

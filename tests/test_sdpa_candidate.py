@@ -210,7 +210,7 @@ def test_hand_written_gqa(sdpa_measured_fastest):
 
 
 def test_swin_window_periodic_bias(sdpa_measured_fastest):
-    from test_spellings import WindowAttention, shifted_window_mask, swin
+    from models_plain import WindowAttention, shifted_window_mask, swin
 
     torch.manual_seed(0)
     m = WindowAttention().double()

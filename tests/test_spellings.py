@@ -31,6 +31,7 @@ from torch._dynamo.utils import counters
 
 import fuse_plugin  # noqa: F401  (registers the ops)
 from helpers import rel_err, rewrite_aot_eager
+from models_plain import WindowAttention, shifted_window_mask, swin  # noqa: F401  (Swin's module)
 from test_attention_patterns import rewrite_listing
 
 B, H, L, D = 2, 4, 8, 16
@@ -252,59 +253,6 @@ def new_mha():
 
 
 # =============================================================================== 8. Swin windows
-
-
-class WindowAttention(nn.Module):
-    """timm's swin_transformer.WindowAttention (fused_attn off): a learned relative position bias
-    (1, H, N, N), and for shifted windows the window mask (nW, N, N) added on a 5-D view."""
-
-    def __init__(self, dim=64, num_heads=4, window=4):
-        super().__init__()
-        self.num_heads, self.window = num_heads, window
-        self.scale = (dim // num_heads) ** -0.5
-        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
-        self.relative_position_bias_table = nn.Parameter(torch.randn((2 * window - 1) ** 2, num_heads) * 0.5)
-        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
-        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
-        self.register_buffer("relative_position_index", rel[..., 0] * (2 * window - 1) + rel[..., 1], persistent=False)
-
-    def _get_rel_pos_bias(self):
-        n = self.window * self.window
-        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
-        return bias.permute(2, 0, 1).contiguous().unsqueeze(0)
-
-    def forward(self, x, mask=None):
-        b_, n, c = x.shape
-        qkv = self.qkv(x).reshape(b_, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q = q * self.scale
-        attn = q @ k.transpose(-2, -1)
-        attn = attn + self._get_rel_pos_bias()
-        if mask is not None:
-            num_win = mask.shape[0]
-            attn = attn.view(-1, num_win, self.num_heads, n, n) + mask.unsqueeze(1).unsqueeze(0)
-            attn = attn.view(-1, self.num_heads, n, n)
-        attn = F.dropout(attn.softmax(dim=-1), p=0.0, training=self.training)
-        x = (attn @ v).transpose(1, 2).reshape(b_, n, -1)
-        return self.proj(x)
-
-
-def shifted_window_mask(size=8, window=4, shift=2):
-    """timm's attention mask of a shifted-window block: (nW, N, N), 0 or -100."""
-    img = torch.zeros(1, size, size, 1)
-    cnt = 0
-    for hs in (slice(0, -window), slice(-window, -shift), slice(-shift, None)):
-        for ws in (slice(0, -window), slice(-window, -shift), slice(-shift, None)):
-            img[:, hs, ws, :] = cnt
-            cnt += 1
-    win = img.view(1, size // window, window, size // window, window, 1).permute(0, 1, 3, 2, 4, 5)
-    win = win.reshape(-1, window * window)
-    mask = win.unsqueeze(1) - win.unsqueeze(2)
-    return mask.masked_fill(mask != 0, -100.0).masked_fill(mask == 0, 0.0)
-
-
-def swin(m, x, mask):  # x: (B·nW, N, C) windows
-    return m(x, mask)
 
 
 class WindowAttentionFlatMask(WindowAttention):
