@@ -85,7 +85,10 @@ class PerGraph:
     def __call__(self, gm, example_inputs):
         before = dict(counters["fuse_plugin"])
         out = self.backend(gm, example_inputs)
-        self.graphs.append({k: counters["fuse_plugin"][k] - before.get(k, 0) for k in ("attention", "rotary")})
+        delta = {k: counters["fuse_plugin"][k] - before.get(k, 0) for k in ("attention", "rotary", "rotary_left")}
+        # a matched rotary site is our op or, by choice.decide_rotary's measured rule (CUDA, static
+        # shapes, rotate-half), left as written: both are found, which is what the sites row checks
+        self.graphs.append({"attention": delta["attention"], "rotary": delta["rotary"] + delta["rotary_left"]})
         return out
 
 
