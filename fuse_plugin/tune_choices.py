@@ -69,6 +69,9 @@ CLASSES = {
     "pvt-s1": Case((64, 1, 1, 3136, 49, 32, 32), "none", seen="PVTv2-b0 stage 1 (spatial reduction)"),
     "pvt-s3": Case((64, 5, 5, 196, 49, 32, 32), "none", seen="PVTv2-b0 stage 3"),
     "class-attn": Case((64, 4, 4, 1, 197, 48, 48), "none", seen="CaiT / XCiT class attention"),
+    # XCiT's cross-covariance attention: channels as the tokens (C/H = 32), the 196 patches as the
+    # head dim; matched since stop 34 (its per-head temperature moves to q)
+    "xcit-xca": Case((64, 4, 4, 32, 32, 196, 196), "none", seen="XCiT-nano XCA (channels attend)"),
     "llama-2k": Case((4, 16, 4, 2048, 2048, 64, 64), "none", causal=True, seen="Llama 4x2048 (shapes table)"),
     "llama-8k": Case((1, 16, 4, 8192, 8192, 64, 64), "none", causal=True, seen="e2e Llama 1x8192"),
     "bert": Case((32, 12, 12, 128, 128, 64, 64), "keys", dropout=0.1, seen="BERT-base training"),

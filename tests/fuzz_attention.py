@@ -75,6 +75,9 @@ FMIN32 = torch.finfo(torch.float32).min
 MUTANTS = ("softmax_dim", "weights_scaled", "weights_pow", "weights_flip", "weights_shift", "weights_used",
            "scores_used", "fill_zero", "mul_mask", "log_softmax")
 POSITIVE_EXTRAS = ("v_used", "q_used")
+# mutants drawn without a draw (make_case), outside MUTANTS' cycle: a learned factor on the scores
+# that differs along the keys (h, 1, Lk), which cannot move to q as a per-row factor can
+RULE_MUTANTS = ("row_key",)
 
 
 @dataclass
@@ -97,7 +100,7 @@ class Case:
     dv: int
     layout: str  # bhld | blhd | merged
     product: str  # matmul | mT | permute | einsum | bmm | sdpa
-    scale: str  # none | mul | div | q | qk
+    scale: str  # none | mul | div | q | qk | row_head | row_query (a learned factor per head / per query row)
     masks: list
     softmax: str  # F | method | torch | f32
     dropout: str  # none | eval
@@ -110,7 +113,7 @@ class Case:
 
     @property
     def mutant(self) -> bool:
-        return self.variant in MUTANTS
+        return self.variant in MUTANTS + RULE_MUTANTS
 
     def describe(self) -> str:
         masks = " then ".join(f"{m.kind}:{m.spelling}({m.value:g})" for m in self.masks) or "no mask"
@@ -150,6 +153,8 @@ def make_case(seed: int) -> Case:
         variant = MUTANTS[(seed // 4) % len(MUTANTS)]
         if variant in ("fill_zero", "mul_mask") and not any(m.kind in ("pad", "rand") for m in masks):
             masks.append(MaskStep(r.choice(kinds[1:2]), "fill", -math.inf))  # the mutant changes a bool mask's use
+        if variant == "mul_mask" and lk == 1:  # (one key: scores times a 0/1 mask is a factor per row,
+            lk = 3  # which the rewrite moves to q, rightly: no longer a mutant)
     elif u < 0.15:
         variant = r.choice(POSITIVE_EXTRAS)
     case = Case(
@@ -187,6 +192,15 @@ def make_case(seed: int) -> Case:
     # one case in eleven of the other 4-D ones has gpt-oss's sink column (no draw either)
     if not merged and not case.mutant and case.product != "sdpa" and case.route == "ours" and seed % 11 == 5:
         case.sinks = "cat_max" if seed % 2 else "cat"
+    # one case in twenty-three of the hand-written 4-D ones: the scores times a learned factor per
+    # head (h, 1, 1) (timm XCiT's temperature) or per query row (1, h, Lq, 1) instead of the scale,
+    # moved to q by the rewrite; in another one in twenty-three a factor per key (h, 1, Lk): a
+    # mutant (no draw)
+    if not merged and not case.mutant and case.product != "sdpa" and case.sinks == "none":
+        if seed % 23 == 8:
+            case.scale = "row_head" if seed % 2 else "row_query"
+        elif seed % 23 == 20 and case.lk > 1:  # (one key: a factor per key is one per row)
+            case.variant = "row_key"
     # one case in seven of the others with a learned bias gathers it from a table (no draw)
     if not case.mutant and seed % 7 == 4 and any(m.kind == "bias" for m in case.masks):
         case.table = True
@@ -215,6 +229,11 @@ class FuzzModule(nn.Module):
         self.safe = False  # aten._safe_softmax instead of softmax: the reference for NaN gradients
         if case.sinks != "none":
             self.sinks = nn.Parameter((torch.randn(case.h, generator=g) * 2).to(case.dtype))
+        row = {"row_head": (case.h, 1, 1), "row_query": (1, case.h, case.lq, 1)}.get(case.scale)
+        if case.variant == "row_key":
+            row = (case.h, 1, case.lk)
+        if row is not None:  # positive and negative factors, around the usual 1/sqrt(d)
+            self.row = nn.Parameter((torch.randn(*row, generator=g) * 0.5 / math.sqrt(case.d)).to(case.dtype))
         if any(m.kind == "doc" for m in case.masks):  # document ids (B, L): sorted runs or scattered
             doc = torch.randint(0, 3, (case.b, case.lq), generator=g)
             self.register_buffer("doc", doc.sort(-1).values if case.seed % 4 < 2 else doc)
@@ -381,6 +400,10 @@ class FuzzModule(nn.Module):
             x = x * s
         elif c.scale == "div":
             x = x / math.sqrt(c.d)
+        elif c.scale.startswith("row"):
+            x = x * self.row
+        if c.variant == "row_key":
+            x = x * self.row
         scores = x
         biases = self._bias_values()
         for m in c.masks:

@@ -271,12 +271,41 @@ def swin_flat_mask(m, x, mask):
     return WindowAttentionFlatMask.forward(m, x, mask)
 
 
+# =============================================================================== 9. XCiT cross-covariance attention
+
+
+class XCA(nn.Module):
+    """timm's xcit.XCA (fused_attn off): attention over channels (q, k, v are (B, H, C/H, N)), the
+    scores multiplied by a learned per-head temperature (H, 1, 1) after the product."""
+
+    def __init__(self, dim=64, num_heads=4, per_key=False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.temperature = nn.Parameter(torch.rand(num_heads, 1, 1) + 0.5)
+        self.key_factor = nn.Parameter(torch.rand(num_heads, 1, dim // num_heads) + 0.5) if per_key else None
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 4, 1).unbind(0)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        attn = (q @ k.transpose(-2, -1)) * (self.temperature if self.key_factor is None else self.key_factor)
+        x = attn.softmax(dim=-1) @ v
+        return self.proj(x.permute(0, 3, 1, 2).reshape(b, n, c))
+
+
+def xca(m, x):
+    return m(x)
+
+
 # =============================================================================== expect tests
 
 
 MHA = new_mha()
 torch.manual_seed(0)
 SWIN = WindowAttention()
+torch.manual_seed(0)
+XCIT, XCIT_PER_KEY = XCA(), XCA(per_key=True)
 
 
 class SpellingExpectTests(expecttest.TestCase):
@@ -1006,6 +1035,88 @@ fused: scale=0.25, bias: float mask, window-periodic (4 windows); bias table gat
 not fused: softmax input is not q·kᵀ (with scale/mask): found view (view_4)""")
 
 
+    def test_xcit_temperature_per_head_scales_q(self):
+        self.assertExpectedInline(rewrite_listing(lambda x: xca(XCIT, x), torch.randn(B, 20, 64)), """\
+0 input (2, 20, 64)
+1 input (192, 64)
+2 input (192,)
+3 input (4, 1, 1)
+4 input (64, 64)
+5 input (64,)
+6 linear(#0, #1, #2)
+7 reshape(#6, (2, 20, 3, 4, 16))
+8 permute(#7, (2, 0, 3, 4, 1))
+9 unbind(#8, 0)
+10 getitem(#9, 0)
+11 getitem(#9, 1)
+12 getitem(#9, 2)
+13 normalize(#10, dim=-1)
+14 normalize(#11, dim=-1)
+15 transpose(#14, -2, -1)
+16 matmul(#13, #15)
+17 mul(#16, #3)
+18 softmax(#17, -1, None)
+19 matmul(#18, #12)
+20 permute(#19, (0, 3, 1, 2))
+21 reshape(#20, (2, 20, 64))
+22 linear(#21, #4, #5)
+23 output (#22)
+--- after ---
+0 input (2, 20, 64)
+1 input (192, 64)
+2 input (192,)
+3 input (4, 1, 1)
+4 input (64, 64)
+5 input (64,)
+6 linear(#0, #1, #2)
+7 reshape(#6, (2, 20, 3, 4, 16))
+8 permute(#7, (2, 0, 3, 4, 1))
+9 unbind(#8, 0)
+10 getitem(#9, 0)
+11 getitem(#9, 1)
+12 getitem(#9, 2)
+13 normalize(#10, dim=-1)
+14 normalize(#11, dim=-1)
+15 mul(#13, #3)
+16 fuse_plugin.attention(#15, #14, #12, None, 0, False, 1)
+17 getitem(#16, 0)
+18 permute(#17, (0, 3, 1, 2))
+19 reshape(#18, (2, 20, 64))
+20 linear(#19, #4, #5)
+21 output (#20)
+--- report ---
+fused: scale=1, run-time scale applied to q (a factor per query row)""")
+
+    def test_negative_xcit_factor_per_key(self):  # a factor that differs along the keys cannot move to q
+        self.assertExpectedInline(rewrite_listing(lambda x: xca(XCIT_PER_KEY, x), torch.randn(B, 20, 64)), """\
+0 input (2, 20, 64)
+1 input (192, 64)
+2 input (192,)
+3 input (4, 1, 16)
+4 input (64, 64)
+5 input (64,)
+6 linear(#0, #1, #2)
+7 reshape(#6, (2, 20, 3, 4, 16))
+8 permute(#7, (2, 0, 3, 4, 1))
+9 unbind(#8, 0)
+10 getitem(#9, 0)
+11 getitem(#9, 1)
+12 getitem(#9, 2)
+13 normalize(#10, dim=-1)
+14 normalize(#11, dim=-1)
+15 transpose(#14, -2, -1)
+16 matmul(#13, #15)
+17 mul(#16, #3)
+18 softmax(#17, -1, None)
+19 matmul(#18, #12)
+20 permute(#19, (0, 3, 1, 2))
+21 reshape(#20, (2, 20, 64))
+22 linear(#21, #4, #5)
+23 output (#22)
+--- after: unchanged ---
+not fused: the scores are multiplied by a tensor (mul (attn)), not a scale""")
+
+
 # =============================================================================== differential
 
 
@@ -1079,6 +1190,12 @@ def test_differential_mha(fn, make, fused):
 def test_differential_swin(fn, fused):
     torch.manual_seed(0)
     differential(fn, torch.randn(B * 4, 16, 64), shifted_window_mask(), fused=fused, module=WindowAttention())
+
+
+@pytest.mark.parametrize("per_key, fused", [(False, 1), (True, 0)], ids=["xcit", "xcit_factor_per_key"])
+def test_differential_xcit(per_key, fused):  # the temperature's gradient included
+    torch.manual_seed(0)
+    differential(xca, torch.randn(B, 20, 64), fused=fused, module=XCA(per_key=per_key))
 
 
 def test_safe_softmax_rows_masked_everywhere_are_zero():

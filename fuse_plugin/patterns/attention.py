@@ -75,7 +75,7 @@ from . import bias_table, choice, sinks as sink_form
 from .attention_bias import BiasTerm, CausalPart, MaskFill, build_bias, causal_or_bias, read_masks, replace_mask
 from .batch_views import batch_view, carry_mask
 from .bias_source import from_parameters
-from .canon import (Call, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
+from .canon import (Call, broadcasts_to, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
                     is_identity, is_in_place_form, known_equal, mutates, norm_dim, same_shape, shape, shape_only_use, size_in_range,
                     tensor_meta, written)
 from .causal_mask import constant_number, is_mask_value
@@ -446,8 +446,8 @@ def _chain(x: fx.Node, softmax: fx.Node, after: list) -> Union[tuple, str]:
             a, b = c["input"], c["other"]
             if name == "div" and c["rounding_mode"] is not None:
                 return f"division with rounding_mode={c['rounding_mode']!r}"
-            fb = _scale_factor(b)
-            fa = _scale_factor(a) if name == "mul" else None
+            fb = _scale_factor(b) or _row_factor(b, a, x)
+            fa = (_scale_factor(a) or _row_factor(a, b, x)) if name == "mul" else None
             if fb is not None and isinstance(a, fx.Node) and _scale_factor(a) is None:
                 ops.append(("scale", fb, name == "div"))
                 nxt = a
@@ -616,6 +616,39 @@ def _scale_factor(x: Any) -> Optional[tuple[str, Any]]:
     return None
 
 
+def _row_factor(t: Any, scores: Any, out: fx.Node) -> Optional[tuple[str, Any]]:
+    """('node', t) where `scores * t` scales each query row by its own run-time factor: t a float
+    tensor of the scores' dtype, 1 along the keys, broadcasting to the scores without growing them
+    (timm XCiT's learned per-head temperature, (H, 1, 1)). Such a factor is the same on every key of
+    a row, so it moves to q (`replace` multiplies q by it, as the 0-d factors); `match_attention`
+    checks that q has the scores' leading dims (`_row_factor_fits`)."""
+    if not isinstance(t, fx.Node) or not isinstance(scores, fx.Node):
+        return None
+    ts, ss, out = shape(t), shape(scores), shape(out)
+    if ts is None or ss is None or out is None or len(ts) == 0 or len(ts) > len(ss):
+        return None
+    if dtype(t) is None or not dtype(t).is_floating_point or dtype(t) != dtype(scores):
+        return None
+    if not known_equal(ts[-1], 1) or not same_shape(out, ss) or not broadcasts_to(ts, ss) or _reaches_product(t):
+        return None
+    return ("node", t)
+
+
+def _row_factor_fits(scale_nodes: list, sc: "_ScoresSide") -> Optional[str]:
+    """Why a per-row factor (`_row_factor`) cannot move to q, or None: the scores must be the
+    product's own (no heads merged and split again, no 5-D windows) and the factor must broadcast
+    to their canonical shape, whose leading dims and rows are q's."""
+    rows = [n for n, _ in scale_nodes if shape(n)]
+    if not rows:
+        return None
+    if sc.split is not None or sc.rank == 5 or any(op[0] == "batch_view" for op in sc.ops):
+        return "a per-row factor on scores seen through a batch view (taken on plain scores only)"
+    for n in rows:
+        if not broadcasts_to(shape(n), sc.canonical):
+            return f"a per-row factor of shape {fmt_shape(shape(n))} on scores {fmt_shape(sc.canonical)}"
+    return None
+
+
 def _strip_const_factors(node: Any) -> tuple[Any, float]:
     """(x, c) for node = x * c / ... with constant c (scale applied to q or k before the product)."""
     factor = 1.0
@@ -705,6 +738,9 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
         return kv
     k, v, groups = kv
     scale_nodes = o.runtime_scale + masks.scale_nodes
+    why = _row_factor_fits(masks.scale_nodes, sc)
+    if why is not None:
+        return why
     inputs = [o.q.node, k.node, v.node] + [n for n, _ in scale_nodes] + [_part_node(p) for p in masks.bias_parts]
     if masks.documents is not None:
         inputs.append(masks.documents)
@@ -1311,7 +1347,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = 
     erase_dead(gm.graph, site.matched, with_dead_inputs=True)
     parts = [f"scale={site.scale:.6g}"]
     if site.scale_nodes:
-        parts.append("run-time scale applied to q")
+        rows = any(shape(n) for n, _ in site.scale_nodes)
+        parts.append("run-time scale applied to q" + (" (a factor per query row)" if rows else ""))
     if site.is_causal:
         parts.append(f"is_causal ({site.causal_note})")
     if bias is not None:
