@@ -220,8 +220,9 @@ def zoo_section(data: dict) -> list[str]:
     for r in res["rows"]:
         ratio = zoo_ratio(r)
         plugin = r.get("variants", {}).get("plugin", {})
+        paired = r.get("plugin_vs_best_paired")
         rows.append([r["model"], r["task"], r["mode"], *[cell(r, v) for v in variants],
-                     None if ratio is None else f"{ratio:.2f}",
+                     None if ratio is None else f"{ratio:.2f}" + (f" (paired {paired:.2f})" if paired else ""),
                      f"{plugin['attention']}{_as_sdpa(plugin)} / {plugin.get('attention_left', 0)}" if "attention" in plugin
                      else None])
     out += _table(["model", "task", "mode", *variants, "plugin / best", "attn fused / left"], rows)
