@@ -192,6 +192,14 @@ def make_case(seed: int) -> Case:
     # one case in eleven of the other 4-D ones has gpt-oss's sink column (no draw either)
     if not merged and not case.mutant and case.product != "sdpa" and case.route == "ours" and seed % 11 == 5:
         case.sinks = "cat_max" if seed % 2 else "cat"
+    # one case in twenty-nine of the other hand-written 4-D self-attention ones: HF's eager mask,
+    # causal & a window of 1 to 3 & the key padding in ONE finfo.min fill (its rows at left-padded
+    # positions see no key: eager averages them over all keys; attention_bias.window_beside_one_fill)
+    # instead of the drawn masks (no draw)
+    if band is None and not merged and not case.mutant and case.product != "sdpa" and case.sinks == "none" \
+            and not any(m.kind == "doc" for m in case.masks) and seed % 29 == 11:
+        case.lk = case.lq
+        case.masks = [MaskStep("causal", f"onefill{1 + seed % 3}", FMIN32)]
     # one case in twenty-three of the hand-written 4-D ones: the scores times a learned factor per
     # head (h, 1, 1) (timm XCiT's temperature) or per query row (1, h, Lq, 1) instead of the scale,
     # moved to q by the rewrite; in another one in twenty-three a factor per key (h, 1, Lk): a
@@ -294,6 +302,12 @@ class FuzzModule(nn.Module):
                 return x.masked_fill(~torch.ones(lq, lk, dtype=torch.bool, device=x.device).tril(), value)
             if m.spelling == "fill_triu":
                 return x.masked_fill(torch.ones(lq, lk, device=x.device).triu(1).bool(), value)
+            if m.spelling.startswith("onefill"):  # HF's eager builders: causal & window & padding, one fill
+                w = int(m.spelling[len("onefill"):])
+                i = torch.arange(lq, device=x.device)[None, None, :, None]
+                j = torch.arange(lk, device=x.device)[None, None, None, :]
+                keep = (j <= i) & (j > i - w) & pad_keep
+                return x + torch.where(keep, torch.zeros((), dtype=x.dtype, device=x.device), value)
             if m.spelling == "where" or m.spelling.startswith(("window", "chunk")):
                 keep = torch.arange(lk, device=x.device)[None, :] <= torch.arange(lq, device=x.device)[:, None]
                 if c.seed % 3 == 0:  # the query on the left (no draw): i >= j

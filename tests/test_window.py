@@ -14,6 +14,7 @@ import fuse_plugin
 from fuse_plugin.kernels import registry
 from fuse_plugin.kernels.attention import AttentionConfig, attention_backward, attention_forward
 from fuse_plugin.kernels.call import AttentionCall, window_area
+from fuse_plugin.patterns.attention import _average_dead_rows
 from helpers import DEVICE, INTERPRETER, check_close, needs_interpreter, rewrite_aot_eager
 
 ATTENTION = torch.ops.fuse_plugin.attention.default
@@ -204,6 +205,100 @@ def test_window_beside_a_padding_mask():
     torch.testing.assert_close(out, model(q, k, v, pad), equal_nan=True)
 
 
+class OneFill(nn.Module):
+    """HF's eager mask builders: causal, the window and the key padding ANDed into ONE bool, made a
+    float mask `where(keep, 0, fill)` and added once (fill: finfo.min of the dtype unless given);
+    ``second_fill``: the padding as a second fill instead (a near miss); ``dropout``: on the weights."""
+
+    def __init__(self, window, fill=None, second_fill=False, dropout=0.0):
+        super().__init__()
+        self.window, self.fill, self.second_fill, self.dropout = window, fill, second_fill, dropout
+
+    def forward(self, q, k, v, pad_keep):
+        lq, lk = q.shape[-2], k.shape[-2]
+        i = torch.arange(lq)[None, None, :, None]  # (HF indexes its mask functions 4-D)
+        j = torch.arange(lk)[None, None, None, :]
+        keep = (j <= i) & (j > i - self.window)
+        fill = torch.finfo(q.dtype).min if self.fill is None else self.fill
+        if not self.second_fill:
+            keep = keep & pad_keep[:, None, None, :]
+        s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + torch.where(keep, torch.tensor(0.0, dtype=q.dtype), fill)
+        if self.second_fill:
+            s = s.masked_fill(~pad_keep[:, None, None, :], fill)
+        w = s.softmax(-1)
+        if self.dropout:
+            w = torch.nn.functional.dropout(w, self.dropout)
+        return w @ v
+
+
+def _left_padded(b=3, l=14):  # batch 0: 5 pad tokens, batch 1: 9 (rows < 9 see no key with W 3)
+    pad = torch.ones(b, l, dtype=torch.bool)
+    pad[0, :5] = False
+    pad[1, :9] = False
+    return pad
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_window_beside_finite_padding_averages_rows_masked_everywhere(dtype):
+    """HF's one finfo.min fill of causal & window & padding: the window becomes the argument, the
+    padding the bias, and the rows that see no key (queries at left-padded positions) average v
+    over all keys after the op, as eager: output and gradients equal eager's there too."""
+    model = OneFill(3)
+    q = torch.randn(3, 4, 14, 16, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(3, 2, 14, 16, dtype=dtype).repeat_interleave(2, 1).requires_grad_() for _ in range(2))
+    pad = _left_padded()
+    calls, out = _rewritten(model, q, k, v, pad)
+    assert len(calls) == 1 and calls[0].kwargs.get("window") == 3 and calls[0].args[5] is True
+    assert calls[0].args[3] is not None  # the padding
+    assert any(u.target is _average_dead_rows for c in calls for g in c.users for u in g.users)
+    want = model(q, k, v, pad)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    check_close("out", out, want, tol)
+    check_close("dead rows", out[1, :, :9], want[1, :, :9], tol)
+    text = str(fuse_plugin.explain(model, q.detach(), k.detach(), v.detach(), pad))
+    assert "sliding window 3 (proved" in text and "rows masked everywhere" in text and "average v over all keys" in text
+    dout = torch.randn_like(want)
+    for name, a, b in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), dout),
+                          torch.autograd.grad(want, (q, k, v), dout)):
+        check_close(name, a, b, tol * 10)
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(second_fill=True), "the padding a second fill: not one value per key"),
+    (dict(fill=-1e9), "a fill that does not absorb the scores (rows masked everywhere are not uniform)"),
+    (dict(dropout=0.5), "dropout on the weights of a row masked everywhere"),
+])
+def test_window_beside_finite_padding_near_misses(kwargs, why):
+    model = OneFill(3, **kwargs)
+    q, k, v = (torch.randn(3, 2, 14, 16, dtype=torch.float64) for _ in range(3))
+    pad = _left_padded()
+    calls, out = _rewritten(model, q, k, v, pad)
+    assert len(calls) == 1 and "window" not in calls[0].kwargs, why
+    if not kwargs.get("dropout"):
+        torch.testing.assert_close(out, model(q, k, v, pad))
+
+
+@needs_interpreter
+def test_window_beside_finite_padding_on_the_kernels():
+    """The same on the general kernels (Triton's interpreter): the op's lse tells the rows that see
+    no key, whatever the kernels did with their keys."""
+    from fuse_plugin.ops._dispatch import cpu_kernels
+
+    model = OneFill(3)
+    torch.manual_seed(5)
+    q = torch.randn(3, 2, 14, 16, requires_grad=True)
+    k, v = (torch.randn(3, 2, 14, 16, requires_grad=True) for _ in range(2))
+    pad = _left_padded()
+    with cpu_kernels("triton"):
+        calls, out = _rewritten(model, q, k, v, pad)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert calls and calls[0].kwargs.get("window") == 3
+    want = model(*(t.double() for t in (q, k, v)), pad)
+    check_close("out", out, want, 1e-5)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(want, (q, k, v), torch.ones_like(want))):
+        check_close(name, a, b, 1e-4)
+
+
 @pytest.mark.parametrize("keep, additive, why", [
     (lambda i, j: j > i - 4, False, "no causal part: a look-back bound alone"),
     (lambda i, j: (j <= i) & (j > 2 * i - 4), False, "not a band"),
@@ -367,7 +462,7 @@ def test_sinks_window_on_the_kernels():
 # ------------------------------------------------------------------------------------ HF models
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["mistral", "gemma2", "mistral-padded"])
 def test_hf_windowed_models_train_as_eager(family):
     """Tiny HF Mistral (every layer windowed) and Gemma 2 (a windowed layer, then a full one, with
     logit softcapping), eager attention: the windowed sites pass the window to the op; logits and
@@ -378,12 +473,17 @@ def test_hf_windowed_models_train_as_eager(family):
     common = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=4,
                   attn_implementation="eager")
-    if family == "mistral":
+    if family.startswith("mistral"):
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
     else:
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common, attn_logit_softcapping=50.0))
     torch.manual_seed(0)
     ids = torch.randint(0, 100, (2, 12))
+    # left padding (mistral-padded): HF ANDs it into the window's finfo.min mask; the queries at
+    # padded positions see no key, and eager averages them over all keys (window_beside_one_fill)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :7] = 0
+    kwargs = {"attention_mask": mask} if family == "mistral-padded" else {}
     windows = []
 
     def backend(gm, example_inputs):
@@ -392,7 +492,7 @@ def test_hf_windowed_models_train_as_eager(family):
         return compiled
 
     def step(m):
-        logits = m(input_ids=ids).logits
+        logits = m(input_ids=ids, **kwargs).logits
         logits.float().square().mean().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         model.zero_grad()
@@ -402,7 +502,7 @@ def test_hf_windowed_models_train_as_eager(family):
     torch._dynamo.reset()
     counters.clear()
     got, got_g = step(torch.compile(model, backend=backend))
-    assert sorted(windows) == ([4, 4] if family == "mistral" else [0, 4])
+    assert sorted(windows) == ([0, 4] if family == "gemma2" else [4, 4])
     check_close("logits", got, want, 1e-5)
     assert set(got_g) == set(want_g)
     for name in want_g:

@@ -72,7 +72,9 @@ from torch._dynamo.utils import counters
 
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
 from . import bias_table, choice, sinks as sink_form
-from .attention_bias import BiasTerm, CausalPart, MaskFill, build_bias, causal_or_bias, read_masks, replace_mask
+from .attention_bias import (ABSORBING, BiasTerm, CausalPart, MaskFill, build_bias, causal_or_bias, read_masks,
+                             replace_mask, window_beside_one_fill)
+from .mask_structure import notes as structure_notes
 from .batch_views import batch_view, carry_mask
 from .bias_source import from_parameters
 from .canon import (Call, broadcasts_to, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
@@ -141,6 +143,9 @@ class AttentionSite:
     chunk: int = 0  # causal chunks proven from the masks (the op's chunk; Llama 4's chunked attention)
     kv_repeated: bool = False  # an SDPA call's k/v were repeated for GQA before it (HF's repeat_kv)
     documents: Optional[fx.Node] = None  # document ids proven from the masks, (L,) or (B, L) (the op's documents)
+    # the window's finite fill V where rows masked everywhere average v over all keys after the op
+    # (attention_bias.window_beside_one_fill, `_average_dead_rows`)
+    dead_average: Optional[float] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -728,7 +733,11 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
     if isinstance(o, str):
         return o
     # (the sinks op takes no chunks or documents: they stay a bias; documents on 4-D scores only)
-    masks = _masks(sc, carry, sizes, chunks=form is None, documents=form is None and sc.rank == 4)
+    masks = _masks(sc, carry, sizes, chunks=form is None, documents=form is None and sc.rank == 4,
+                   dead_rows=form is None and sc.rank == 4 and not sc.softcap and not ws.dropout_p
+                   and call_of(softmax).name == "softmax"
+                   # (the rows' average reads all of k and v: not under context parallelism's shards)
+                   and not choice._context_parallel_on())
     if isinstance(masks, str):
         return masks
     if sc.rank == 5 and (masks.bias_parts or masks.carry.carried):
@@ -759,7 +768,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
         out_ops=o.out_ops, matched=matched, notes=masks.notes, dropout_p=ws.dropout_p,
         safe=call_of(softmax).name == "safe_softmax", carried=masks.carry.carried, period=masks.carry.period,
         cast=o.cast, sinks=form.sinks if form is not None else None, window=masks.window, chunk=masks.chunk,
-        documents=masks.documents,
+        documents=masks.documents, dead_average=masks.dead_average,
     )
 
 
@@ -1143,12 +1152,15 @@ class _Masks:
     chunk: int
     documents: Optional[fx.Node]
     carry: _Carry
+    dead_average: Optional[float] = None  # see AttentionSite
 
 
 def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes, chunks: bool = True,
-           documents: bool = True) -> Union[_Masks, str]:
+           documents: bool = True, dead_rows: bool = False) -> Union[_Masks, str]:
     """The chain's masks read (attention_bias.read_masks, causal_or_bias), or why not. A
-    window-periodic carry that another mask does not fit (one per image) is redone whole."""
+    window-periodic carry that another mask does not fit (one per image) is redone whole.
+    ``dead_rows``: the site can take a window beside other parts of one absorbing fill, its rows
+    masked everywhere fixed after the op (attention_bias.window_beside_one_fill)."""
     r = _read_masks(carry, sc.canonical, sizes)
     if isinstance(r, str) and carry.period is not None:
         carry = _carry_masks(sc, periodic=False)
@@ -1161,6 +1173,15 @@ def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes, chunks: bool = True,
     r2 = causal_or_bias(r, chunks, documents and carry.period is None and not carry.carried)
     if isinstance(r2, str):
         return r2
+    parts, is_causal, _, _, window, chunk, docs = r2
+    beside = window_beside_one_fill(r) if dead_rows and not (is_causal or window or chunk or docs is not None) \
+        and carry.period is None and not carry.carried else None
+    if beside is not None:
+        parts, source, window, value = beside
+        notes = [f"sliding window {window} (proved: query i sees keys from i-{window - 1}; {source}): the kernels "
+                 f"skip the key blocks it hides; rows masked everywhere (fill {value:g}) average v over all keys "
+                 "after the op, as eager"] + structure_notes(parts)
+        return _Masks(r.scale, r.scale_nodes, parts, True, source, notes, window, 0, None, carry, value)
     return _Masks(r.scale, r.scale_nodes, *r2, carry)
 
 
@@ -1390,7 +1411,7 @@ def _op_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, replaced) -> fx
     if site.documents is not None:  # ids (L,) or (B, L): the key blocks outside each query block's documents
         docs = site.documents
         extra["documents"] = b.method("unsqueeze", docs, 0) if len(shape(docs)) == 1 else docs
-    if not site.safe and not choice.needs_grad(site):
+    if not site.safe and site.dead_average is None and not choice.needs_grad(site):
         # inference: no backward reads the lse (under autograd the op computes it regardless)
         extra["need_lse"] = False
     if site.sinks is not None:  # match_attention took no softcap with sinks
@@ -1406,7 +1427,33 @@ def _op_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, replaced) -> fx
     out = b.function(operator.getitem, op, 0)
     if site.safe:  # _safe_softmax / SDPA: 0 in the rows whose every score is -inf
         out = _zero_dead_rows(b, op, out)
+    if site.dead_average is not None:
+        out = b.function(_average_dead_rows, out, b.function(operator.getitem, op, 1), q, k, v, float(site.scale))
     return out
+
+
+def _average_dead_rows(out, lse, q, k, v, scale: float):
+    """``out`` with eager's values and gradients in the rows a window beside one absorbing fill
+    masks everywhere (attention_bias.window_beside_one_fill; shapes: out (B, Hq, Lq, Dv), lse (B,
+    Hq, Lq), q (B, Hq, Lq, D), k / v (B, Hkv, Lk, D / Dv)). Every score of such a row is the fill
+    in eager, so its weights are 1 / Lk on every key: the output is v's mean over the keys, and the
+    gradients are those of uniform weights: dq_i = scale / Lk · Σ_j (dout_i · (v_j − v̄)) k_j, and
+    likewise into k; into v, dout_i / Lk. With M = Σ_j (v_j − v̄) k_jᵀ (v detached), the row
+    v̄ + scale / Lk · (M q_i − (M q_i).detach()) has exactly that value and those gradients. The
+    op's lse tells the rows: a row with a visible key has lse >= its largest score, one without
+    has lse ~ the fill (or -inf, or NaN where the kernels skipped every key). O(B·H·L·D·Dv) extra work,
+    two small products beside the attention; the op's own rows there get no gradient."""
+    B, Hq, Lq, _ = q.shape
+    Hkv, Lk = k.shape[1], k.shape[-2]
+    vbar = v.mean(dim=-2, keepdim=True)  # (B, Hkv, 1, Dv)
+    m = (v - vbar).detach().transpose(-2, -1) @ k  # (B, Hkv, Dv, D)
+    qg = q.reshape(B, Hkv, (Hq // Hkv) * Lq, q.shape[-1])
+    mq = (qg @ m.transpose(-2, -1)).reshape(B, Hq, Lq, -1) * (scale / Lk)
+    avg = vbar.repeat_interleave(Hq // Hkv, dim=1) + (mq - mq.detach())
+    # (every fill taken is <= ABSORBING, and a live row's lse is far above: not fill / 2, which for
+    # float64's finfo.min is -inf in the lse's float32)
+    dead = torch.logical_not(lse >= ABSORBING / 2).unsqueeze(-1)
+    return torch.where(dead, avg.to(out.dtype), out)
 
 
 # SDPA calls the rewrite itself emits (an SDPA call site's rewrite leaves them alone)

@@ -296,6 +296,45 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True,
     return parts, is_causal, source, notes, window, chunk, None
 
 
+# A finite mask value at or below this absorbs every score: s + V == V in float32 (its ulp at 1e30
+# is 7.6e22), bfloat16 and float64 for any |s| < 1e22, so a row it masks everywhere is uniform in
+# eager. finfo.min of float32, bfloat16 and float64 qualifies; float16's (-65504) does not.
+ABSORBING = -1e30
+
+
+def window_beside_one_fill(m: ScoreMasks, memo: Optional[dict] = None) -> Optional[tuple[list, str, int, float]]:
+    """(the parts left for the bias, the causal mask's source, the window W, the fill value V) for a
+    causal mask and a sliding window beside other mask parts (HF's padding), all from ONE fill of
+    one value V that absorbs the scores (ABSORBING), Lq <= Lk; None otherwise. HF's eager builders
+    give this: `where(causal & window & padding, 0, finfo.min)` added once.
+
+    Then every hidden score of eager is exactly V: a row with a visible key gives its hidden keys
+    weight 0, as the op's -inf causal and window masking does; a row with none (a query at a padded
+    position) has Lk equal scores, and eager averages v over ALL Lk keys, window or not. The op
+    skips the keys the window hides, so such rows are fixed after it (attention.py's
+    `_average_dead_rows`, which `replace` adds where the site's ``dead_average`` is V). Two fills
+    (or a fill and an additive term) could sum to -inf or leave scores unequal: not taken here."""
+    if len(m.raw) != 1 or getattr(m.raw[0], "scale", 1.0) != 1.0 or getattr(m.raw[0], "negate", False):
+        return None
+    causal = [p for p in m.split if isinstance(p, CausalPart)]
+    rest = [p for p in m.split if not isinstance(p, CausalPart)]
+    if len(causal) != 1 or not rest or not all(isinstance(p, MaskFill) for p in rest):
+        return None
+    values = {causal[0].value, *(p.value for p in rest)}
+    if len(values) != 1:
+        return None
+    value = values.pop()
+    if not (math.isfinite(value) and value <= ABSORBING) or not _rows_keep_own_key(m.lq, m.lk):
+        return None
+    memo = {} if memo is None else memo
+    windows = [(p, band_of(p, memo)) for p in rest]
+    windows = [(p, w[1]) for p, w in windows if w is not None and w[0] == "window"]
+    if len(windows) != 1:
+        return None
+    part, window = windows[0]
+    return [p for p in rest if p is not part], causal[0].source, window, value
+
+
 def _documents(m: ScoreMasks, rest: list, memo: dict) -> Optional[tuple]:
     """(the part, (the id node, the causal source of a part that ANDs documents with the causal
     mask, or None)) of a documents mask the op can take (``causal_or_bias``), else None: one such
