@@ -304,9 +304,13 @@ class FuzzModule(nn.Module):
                 return x.masked_fill(torch.ones(lq, lk, device=x.device).triu(1).bool(), value)
             if m.spelling.startswith("onefill"):  # HF's eager builders: causal & window & padding, one fill
                 w = int(m.spelling[len("onefill"):])
-                i = torch.arange(lq, device=x.device)[None, None, :, None]
-                j = torch.arange(lk, device=x.device)[None, None, None, :]
-                keep = (j <= i) & (j > i - w) & pad_keep
+                if c.seed % 2:  # HF's 4-D indices
+                    i = torch.arange(lq, device=x.device)[None, None, :, None]
+                    j = torch.arange(lk, device=x.device)[None, None, None, :]
+                    keep = (j <= i) & (j > i - w) & pad_keep
+                else:  # the (Lq, Lk) band made 4-D after the AND (no draw)
+                    i, j = torch.arange(lq, device=x.device)[:, None], torch.arange(lk, device=x.device)[None, :]
+                    keep = ((j <= i) & (j > i - w))[None, None] & pad_keep
                 return x + torch.where(keep, torch.zeros((), dtype=x.dtype, device=x.device), value)
             if m.spelling == "where" or m.spelling.startswith(("window", "chunk")):
                 keep = torch.arange(lk, device=x.device)[None, :] <= torch.arange(lq, device=x.device)[:, None]

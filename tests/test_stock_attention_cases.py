@@ -403,9 +403,11 @@ CASES = {
 # name -> (function, inputs, expected fused sites of ours): stock fuses none of them.
 NEAR_MISSES = {
     "weights_returned": (weights_returned, bhld, 0),
-    # ours: a tensor scale is not folded (the op's scale is one float): left alone
-    "tensor_factor_div": (tensor_factor_div, lambda: bhld() + [_randn(H, 1, 1).abs() + 1], 0),
-    "tensor_factor_mul": (tensor_factor_mul, lambda: bhld() + [_randn(H, 1, 1)], 0),
+    # ours: a tensor factor per head (H, 1, 1) is one per query row: moved to q (XCiT's temperature,
+    # stop 34), fused; one that differs along the keys (H, 1, L) is not a scale: left alone
+    "tensor_factor_div": (tensor_factor_div, lambda: bhld() + [_randn(H, 1, 1).abs() + 1], 1),
+    "tensor_factor_mul": (tensor_factor_mul, lambda: bhld() + [_randn(H, 1, 1)], 1),
+    "tensor_factor_per_key": (tensor_factor_mul, lambda: bhld() + [_randn(H, 1, L)], 0),
     # ours: an integer bias is promoted like eager does, a constant shift is a constant bias: fused
     "int_mask": (int_mask, lambda: bhld() + [torch.randint(-3, 3, (B, H, L, L), dtype=torch.int32)], 1),
     "scalar_mask": (scalar_mask, bhld, 1),

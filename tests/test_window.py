@@ -210,15 +210,20 @@ class OneFill(nn.Module):
     float mask `where(keep, 0, fill)` and added once (fill: finfo.min of the dtype unless given);
     ``second_fill``: the padding as a second fill instead (a near miss); ``dropout``: on the weights."""
 
-    def __init__(self, window, fill=None, second_fill=False, dropout=0.0):
+    def __init__(self, window, fill=None, second_fill=False, dropout=0.0, band="4-D"):
         super().__init__()
-        self.window, self.fill, self.second_fill, self.dropout = window, fill, second_fill, dropout
+        self.window, self.fill, self.second_fill, self.dropout, self.band = window, fill, second_fill, dropout, band
 
     def forward(self, q, k, v, pad_keep):
         lq, lk = q.shape[-2], k.shape[-2]
-        i = torch.arange(lq)[None, None, :, None]  # (HF indexes its mask functions 4-D)
-        j = torch.arange(lk)[None, None, None, :]
-        keep = (j <= i) & (j > i - self.window)
+        if self.band == "4-D":  # HF indexes its mask functions 4-D
+            i = torch.arange(lq)[None, None, :, None]
+            j = torch.arange(lk)[None, None, None, :]
+            keep = (j <= i) & (j > i - self.window)
+        else:  # the (Lq, Lk) band made 4-D after the AND: [None, None], or rows reordered (a near miss)
+            i, j = torch.arange(lq)[:, None], torch.arange(lk)[None, :]
+            keep = (j <= i) & (j > i - self.window)
+            keep = keep[None, None] if self.band == "2-D, [None, None]" else keep[None, torch.arange(lq).flip(0)]
         fill = torch.finfo(q.dtype).min if self.fill is None else self.fill
         if not self.second_fill:
             keep = keep & pad_keep[:, None, None, :]
@@ -238,12 +243,13 @@ def _left_padded(b=3, l=14):  # batch 0: 5 pad tokens, batch 1: 9 (rows < 9 see 
     return pad
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_window_beside_finite_padding_averages_rows_masked_everywhere(dtype):
+@pytest.mark.parametrize("dtype, band", [(torch.float64, "4-D"), (torch.float32, "4-D"),
+                                         (torch.float32, "2-D, [None, None]")])
+def test_window_beside_finite_padding_averages_rows_masked_everywhere(dtype, band):
     """HF's one finfo.min fill of causal & window & padding: the window becomes the argument, the
     padding the bias, and the rows that see no key (queries at left-padded positions) average v
     over all keys after the op, as eager: output and gradients equal eager's there too."""
-    model = OneFill(3)
+    model = OneFill(3, band=band)
     q = torch.randn(3, 4, 14, 16, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(3, 2, 14, 16, dtype=dtype).repeat_interleave(2, 1).requires_grad_() for _ in range(2))
     pad = _left_padded()
@@ -267,6 +273,7 @@ def test_window_beside_finite_padding_averages_rows_masked_everywhere(dtype):
     (dict(second_fill=True), "the padding a second fill: not one value per key"),
     (dict(fill=-1e9), "a fill that does not absorb the scores (rows masked everywhere are not uniform)"),
     (dict(dropout=0.5), "dropout on the weights of a row masked everywhere"),
+    (dict(band="2-D, rows reordered"), "the band's rows reordered by an index tensor: not a window"),
 ])
 def test_window_beside_finite_padding_near_misses(kwargs, why):
     model = OneFill(3, **kwargs)

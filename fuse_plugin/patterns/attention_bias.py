@@ -51,7 +51,7 @@ import torch
 from torch import fx
 
 from .canon import (broadcasts_to, call_of, device_of, dtype, example_value, fmt_shape, is_identity, known_equal,
-                    known_true, shape, written)
+                    known_true, same_shape, shape, written)
 from .causal_mask import (MASK_VALUE_MAX, Select, abstract_value, all_true, cast_value, causal_source,
                           constant_number, is_causal_mask, is_mask_value)
 from .graph_edit import NodeBuilder, precedes
@@ -173,11 +173,30 @@ def _bool_mask_parts(mask: Any, masked_when: bool, value: float, lq, lk, memo) -
             )
         elif c.name in ("logical_not", "invert"):
             parts = _bool_mask_parts(c["input"], not masked_when, value, lq, lk, memo)
-        elif c.name in ("expand", "contiguous", "clone") or (c.name == "to" and is_identity(c)):
+        elif c.name in ("expand", "contiguous", "clone") or (c.name == "to" and is_identity(c)) \
+                or _leading_ones_view(mask, c):
             parts = _bool_mask_parts(c["input"], masked_when, value, lq, lk, memo)
     if parts is not None and any(isinstance(p, CausalPart) for p in parts):
         return parts
     return [MaskFill(mask, masked_when, value)]
+
+
+def _leading_ones_view(node: fx.Node, c) -> bool:
+    """`node` is its input with size-1 dims put in front (`m[None, None]`, `m.unsqueeze(0)`,
+    `m.view(1, 1, L, S)` of an (L, S) mask): the same mask under broadcasting, so an AND inside it
+    splits as it would outside (`((j <= i) & (j > i - W))[None, None] & pad`)."""
+    if c.name not in ("getitem", "unsqueeze", "view", "reshape"):
+        return False
+    if c.name == "getitem":  # only new axes and whole slices (an index tensor could reorder)
+        index = c["index"] if isinstance(c["index"], tuple) else (c["index"],)
+        if not all(i is None or i is Ellipsis or i == slice(None) for i in index):
+            return False
+    x = c["input"]
+    si, so = shape(x) if isinstance(x, fx.Node) else None, shape(node)
+    if si is None or so is None or len(so) < len(si):
+        return False
+    extra = len(so) - len(si)
+    return same_shape(so[extra:], si) and all(known_equal(n, 1) for n in so[:extra])
 
 
 def _bias_term_parts(term: BiasTerm, lq, lk, memo) -> list:
