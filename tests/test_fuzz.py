@@ -25,7 +25,8 @@ pytestmark = pytest.mark.filterwarnings(
 
 def test_generator_covers_the_cases_that_matter():
     """The fast subset holds every mutant kind, each mask kind and value (sliding windows of 1-3 keys,
-    causal chunks and packed documents too), both orders of causal and
+    causal chunks, packed documents and HF's one-fill window with padding too; per-head and per-row
+    factors on the scores and the per-key mutant), both orders of causal and
     padding, fully masked rows (left padding meeting a causal mask), Lq != Lk, Lq = 1, GQA, 3-D
     bmm, float64: so that a pass of the subset means something."""
     cases = [make_case(s) for s in range(FAST_CASES)]
@@ -36,8 +37,12 @@ def test_generator_covers_the_cases_that_matter():
     causal = {m.spelling for m in steps if m.kind == "causal"}
     assert causal >= {"fill_not_tril", "fill_triu", "where", "add", "window1", "window2", "window3"}
     assert any(s.startswith("chunk") for s in causal)  # causal chunks (Llama 4) too
-    assert all(s.startswith("chunk") for s in causal - {"fill_not_tril", "fill_triu", "where", "add",
-                                                        "window1", "window2", "window3"})
+    # HF's eager mask: causal & window & padding in one finfo.min fill (its rows with no key averaged)
+    assert any(s.startswith("onefill") for s in causal)
+    assert all(s.startswith(("chunk", "onefill")) for s in causal - {"fill_not_tril", "fill_triu", "where", "add",
+                                                                     "window1", "window2", "window3"})
+    # a learned factor per head / query row on the scores (XCiT), and the per-key mutant
+    assert {"row_head", "row_query"} <= {c.scale for c in cases} and any(c.variant == "row_key" for c in cases)
     assert {m.value for m in steps if m.kind != "bias"} >= {float("-inf"), -1e9, -1e4}
     orders = {tuple(m.kind for m in c.masks if m.kind in ("causal", "pad")) for c in cases}
     assert ("causal", "pad") in orders and ("pad", "causal") in orders
