@@ -98,6 +98,24 @@ def test_a_choice_read_from_the_table(tmp_path, monkeypatch):
         choice_table.clear_cache()
 
 
+def test_the_shipped_table_leaves_xcit_cross_covariance_to_inductor(tmp_path, monkeypatch):
+    """XCiT's XCA sites (32 channels as tokens, the 196 patches as the head dim; H100, stop 34):
+    only our general kernels run head dim 196, at a third of Inductor's speed: both modes go to
+    Inductor, by the shipped H100 entry."""
+    key = choice_table.class_key(torch.bfloat16, 196, 196, 32, 32, "none", False, False)
+    shipped = json.loads(choice_table.path_for((9, 0)).read_text())["gpus"]["NVIDIA H100 80GB HBM3"]["entries"]
+    assert shipped[key]["name"] == "xcit-xca"
+    monkeypatch.setenv(choice_table.ENV, _table(tmp_path, {key: shipped[key]}))
+    choice_table.clear_cache()
+    try:
+        times = choice_table.lookup(torch.device("cuda"), key)
+        for mode in ("fwd", "train"):
+            d = choice.decide_from(times, mode, key, sdpa_ok=True)
+            assert not d.ours and d.reason.startswith("left to Inductor: measured"), (mode, d)
+    finally:
+        choice_table.clear_cache()
+
+
 class Attn(torch.nn.Module):
     """Hand-written attention with a learned bias, as timm writes it."""
 
