@@ -12,7 +12,10 @@ steps after warm-up/compile) and peak memory (max allocated during the timed tra
                    attention, its SDPA call sites rewritten where the choice takes them)
 Model: 12 layers, hidden 1024, 16 heads, 4 kv heads, intermediate 4096, vocab 32000 (~250M params).
 With --sliding-window W the same dims as a Mistral config (Llama with HF's `sliding_window`: query i
-sees keys i-W+1..i; HF's sdpa path passes the band as a dense mask).
+sees keys i-W+1..i; HF's sdpa path passes the band as a dense mask). With --left-pad N every row's
+first N tokens are padding (an attention_mask): HF's eager path then ANDs the padding into the
+window's finfo.min mask, which the plugin takes as the window plus the padding as a bias, the rows
+that see no key averaged after the op (attention_bias.window_beside_one_fill).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import fuse_plugin
 
 VARIANTS = ("eager", "compile", "sdpa+compile", "fuse_plugin")
 SLIDING_WINDOW = 0  # --sliding-window
+LEFT_PAD = 0  # --left-pad: padded tokens at the start of every row
 INFER = True  # --no-infer: training only
 
 
@@ -57,8 +61,17 @@ def prepare(variant: str):
     return model, torch.compile(model)  # stock inductor; callers keep fuse_plugin.disabled() around compiles
 
 
+def inputs(ids) -> dict:
+    """The model's keyword inputs: the ids, and with --left-pad an attention_mask."""
+    if not LEFT_PAD:
+        return {"input_ids": ids}
+    mask = torch.ones_like(ids)
+    mask[:, :LEFT_PAD] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
 def step_train(fn, opt, ids):
-    logits = fn(input_ids=ids).logits
+    logits = fn(**inputs(ids)).logits
     loss = F.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
     loss.backward()
     opt.step()
@@ -107,8 +120,8 @@ def measure(variant, ids, steps):
                 raise _NotRun
             with torch.no_grad():
                 for _ in range(2):
-                    fn(input_ids=ids)
-                s = timed(lambda: fn(input_ids=ids), steps)
+                    fn(**inputs(ids))
+                s = timed(lambda: fn(**inputs(ids)), steps)
             res["infer_tok_s"] = tokens / s
         except torch.OutOfMemoryError:
             res["infer_tok_s"] = None
@@ -133,14 +146,16 @@ def main():
     parser.add_argument("--out", default=None)
     parser.add_argument("--sliding-window", type=int, default=0, help="a Mistral config with this window")
     parser.add_argument("--no-infer", action="store_true", help="time training only")
+    parser.add_argument("--left-pad", type=int, default=0, help="padded tokens at the start of every row")
     args = parser.parse_args()
-    global SLIDING_WINDOW, INFER
-    SLIDING_WINDOW, INFER = args.sliding_window, not args.no_infer
+    global SLIDING_WINDOW, INFER, LEFT_PAD
+    SLIDING_WINDOW, INFER, LEFT_PAD = args.sliding_window, not args.no_infer, args.left_pad
     ids = torch.randint(0, 32000, (args.batch, args.seq), device="cuda")
     lines = [
         f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers {transformers.__version__} | "
         f"{time.strftime('%Y-%m-%d')} | seq {args.seq} batch {args.batch}"
-        + (f" | Mistral config, sliding_window {SLIDING_WINDOW}" if SLIDING_WINDOW else "") + f" | bf16, fused AdamW, median of {args.steps} steps",
+        + (f" | Mistral config, sliding_window {SLIDING_WINDOW}" if SLIDING_WINDOW else "")
+        + (f" | {LEFT_PAD} padded tokens per row" if LEFT_PAD else "") + f" | bf16, fused AdamW, median of {args.steps} steps",
         "",
         "| variant | train tokens/s | inference tokens/s | train peak GB | warm-up (compile) s |",
         "|---|---|---|---|---|",
