@@ -245,6 +245,51 @@ def test_windows_left_to_inductor_by_rule_where_unmeasured(monkeypatch):
     assert choice.decide(site).ours  # the table: ours 1 + 2 < Inductor's 5
 
 
+@pytest.mark.parametrize("tokens, wide, ruled", [(48, 196, True), (32, 196, True), (96, 196, False), (48, 64, False)])
+def test_wide_heads_over_few_tokens_left_to_inductor_where_unmeasured(monkeypatch, tokens, wide, ruled):
+    """XCiT's attention over channels (<= 64 tokens, head dim > 128): unmeasured on the GPU, left to
+    Inductor by rule (its measured class ran our kernels at 0.29-0.34x Inductor), as it ran before
+    the rewrite matched it; longer or narrower problems keep the usual choice."""
+    from fuse_plugin.patterns import attention
+
+    sites = []
+
+    def backend(gm, example_inputs):
+        sites.extend(attention.match_attention(n) for n in gm.graph.nodes if attention._is_softmax(n))
+        return gm.forward
+
+    q, k, v = (torch.randn(2, 4, tokens, wide) for _ in range(3))
+    torch._dynamo.reset()
+    torch.compile(lambda q, k, v: (q @ k.transpose(-2, -1)).softmax(-1) @ v, backend=backend)(q, k, v)
+    (site,) = sites
+    assert (choice._rule(site) == choice._WIDE_HEAD_RULE) == ruled
+    key, mode, _ = choice.class_of(site)
+    monkeypatch.setattr(choice, "class_of", lambda s: (key, mode, torch.device("cuda")))
+    monkeypatch.setattr(choice_table, "lookup", lambda device, k: None)
+    assert choice.decide(site).ours != ruled
+
+
+def test_window_beside_padding_only_in_the_measured_range_on_the_gpu():
+    """A window beside HF's eager padding becomes the op's on the CPU always; on the GPU only where
+    the window rule was measured (16-bit, 16k keys and up): shorter, the band stays a dense bias."""
+    assert choice.window_beside_padding(torch.empty(1, 1, 8, 16), 8)
+    for dtype, lk, taken in ((torch.bfloat16, 16384, True), (torch.bfloat16, 4096, False),
+                             (torch.float32, 32768, False)):
+        assert choice.window_beside_padding(_CudaLike(dtype), lk) == taken, (dtype, lk)
+
+
+class _CudaLike(torch.Tensor):
+    """A meta tensor that says it is on CUDA (choice.window_beside_padding reads device and dtype)."""
+
+    @staticmethod
+    def __new__(cls, dtype):
+        return torch.Tensor._make_subclass(cls, torch.empty(0, dtype=dtype, device="meta"))
+
+    @property
+    def device(self):
+        return torch.device("cuda")
+
+
 def test_a_gpu_set_measured_for_some_classes_adds_to_the_others(tmp_path):
     """entries_of: the running GPU's own set first; a class it lacks comes from the first other set
     that has it (a set tuned for one class on another GPU hides nothing)."""

@@ -298,6 +298,23 @@ def xca(m, x):
     return m(x)
 
 
+# =============================================================================== 10. HF's eager window with padding
+
+
+def hf_window_padding(q, k, v, pad):  # masking_utils' eager mask: causal & window & padding, one finfo.min fill
+    i = torch.arange(L)[None, None, :, None]
+    j = torch.arange(L)[None, None, None, :]
+    keep = (j <= i) & (j > i - 3) & pad[:, None, None, :]
+    return (q @ k.transpose(-2, -1) / math.sqrt(D) + torch.where(keep, torch.tensor(0.0), FMIN)).softmax(-1) @ v
+
+
+def hf_window_padding_two_fills(q, k, v, pad):  # near miss: the padding a second fill (one value per key unproved)
+    i = torch.arange(L)[None, None, :, None]
+    j = torch.arange(L)[None, None, None, :]
+    s = q @ k.transpose(-2, -1) / math.sqrt(D) + torch.where((j <= i) & (j > i - 3), torch.tensor(0.0), FMIN)
+    return s.masked_fill(~pad[:, None, None, :], FMIN).softmax(-1) @ v
+
+
 # =============================================================================== expect tests
 
 
@@ -1115,6 +1132,99 @@ fused: scale=1, run-time scale applied to q (a factor per query row)""")
 23 output (#22)
 --- after: unchanged ---
 not fused: the scores are multiplied by a tensor (mul (attn)), not a scale""")
+
+
+    def test_hf_window_beside_padding(self):
+        self.assertExpectedInline(rewrite_listing(hf_window_padding, *qkv(), keep_keys()), """\
+0 input (2, 8)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 input (2, 4, 8, 16)
+4 arange(8)
+5 getitem(#4, (None, None, :, None))
+6 arange(8)
+7 getitem(#6, (None, None, None, :))
+8 le(#7, #5)
+9 sub(#5, 3, 1)
+10 gt(#7, #9)
+11 and_(#8, #10)
+12 getitem(#0, (:, None, None, :))
+13 and_(#11, #12)
+14 transpose(#1, -2, -1)
+15 matmul(#2, #14)
+16 div(#15, 4, None)
+17 tensor(0)
+18 where(#13, #17, -3.40282e+38)
+19 add(#16, #18, 1)
+20 softmax(#19, -1, None)
+21 matmul(#20, #3)
+22 output (#21)
+--- after ---
+0 input (2, 8)
+1 input (2, 4, 8, 16)
+2 input (2, 4, 8, 16)
+3 input (2, 4, 8, 16)
+4 getitem(#0, (:, None, None, :))
+5 where(#4, 0, -3.40282e+38)
+6 logical_not(#4)
+7 fuse_plugin.attention(#2, #1, #3, #5, 0, True, 0.25, replace=#6, window=3)
+8 getitem(#7, 0)
+9 getitem(#7, 1)
+10 _average_dead_rows(#8, #9, #2, #1, #3, 0.25)
+11 output (#10)
+--- report ---
+fused: scale=0.25, is_causal (arange comparison), bias: float mask, replace mask (finite fill), sliding window 3 (proved: query i sees keys from i-2; arange comparison): the kernels skip the key blocks it hides; rows masked everywhere (fill -3.40282e+38) average v over all keys after the op, as eager""")
+
+    def test_negative_hf_window_beside_padding_two_fills(self):
+        self.assertExpectedInline(rewrite_listing(hf_window_padding_two_fills, *qkv(), keep_keys()), """\
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 8)
+3 input (2, 4, 8, 16)
+4 arange(8)
+5 getitem(#4, (None, None, :, None))
+6 arange(8)
+7 getitem(#6, (None, None, None, :))
+8 transpose(#0, -2, -1)
+9 matmul(#1, #8)
+10 div(#9, 4, None)
+11 le(#7, #5)
+12 sub(#5, 3, 1)
+13 gt(#7, #12)
+14 and_(#11, #13)
+15 tensor(0)
+16 where(#14, #15, -3.40282e+38)
+17 add(#10, #16, 1)
+18 getitem(#2, (:, None, None, :))
+19 invert(#18)
+20 masked_fill(#17, #19, -3.40282e+38)
+21 softmax(#20, -1, None)
+22 matmul(#21, #3)
+23 output (#22)
+--- after ---
+0 input (2, 4, 8, 16)
+1 input (2, 4, 8, 16)
+2 input (2, 8)
+3 input (2, 4, 8, 16)
+4 arange(8)
+5 getitem(#4, (None, None, :, None))
+6 arange(8)
+7 getitem(#6, (None, None, None, :))
+8 le(#7, #5)
+9 sub(#5, 3, 1)
+10 gt(#7, #9)
+11 and_(#8, #10)
+12 tensor(0)
+13 where(#11, #12, -3.40282e+38)
+14 getitem(#2, (:, None, None, :))
+15 invert(#14)
+16 where(#15, -3.40282e+38, #13)
+17 fuse_plugin.attention(#1, #0, #3, #16, 0, False, 0.25, replace=#15, need_lse=False)
+18 getitem(#17, 0)
+19 contiguous(#18)
+20 output (#19)
+--- report ---
+fused: scale=0.25, bias: float mask, replace mask (finite fill), causal mask (arange comparison) kept in the bias with its own values: is_causal's -inf masking would change rows masked everywhere, sliding window 3 (proved: query i sees keys from i-2; arange comparison), kept in the bias""")
 
 
 # =============================================================================== differential

@@ -73,8 +73,7 @@ from torch._dynamo.utils import counters
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
 from . import bias_table, choice, sinks as sink_form
 from .attention_bias import (ABSORBING, BiasTerm, CausalPart, MaskFill, build_bias, causal_or_bias, read_masks,
-                             replace_mask, window_beside_one_fill)
-from .mask_structure import notes as structure_notes
+                             replace_mask)
 from .batch_views import batch_view, carry_mask
 from .bias_source import from_parameters
 from .canon import (Call, broadcasts_to, call_of, device_of, dtype, example_value, float_cast_dtype, float_cast_input, fmt_shape,
@@ -737,7 +736,7 @@ def match_attention(softmax: fx.Node) -> Union[AttentionSite, str]:
                    dead_rows=form is None and sc.rank == 4 and not sc.softcap and not ws.dropout_p
                    and call_of(softmax).name == "softmax"
                    # (the rows' average reads all of k and v: not under context parallelism's shards)
-                   and not choice._context_parallel_on())
+                   and not choice._context_parallel_on() and choice.window_beside_padding(o.q.value(), sizes.lk))
     if isinstance(masks, str):
         return masks
     if sc.rank == 5 and (masks.bias_parts or masks.carry.carried):
@@ -1151,8 +1150,8 @@ class _Masks:
     window: int
     chunk: int
     documents: Optional[fx.Node]
+    dead_average: Optional[float]  # see AttentionSite
     carry: _Carry
-    dead_average: Optional[float] = None  # see AttentionSite
 
 
 def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes, chunks: bool = True,
@@ -1170,18 +1169,10 @@ def _masks(sc: _ScoresSide, carry: _Carry, sizes: _Sizes, chunks: bool = True,
     if isinstance(r, str):
         return r
     # (documents only from masks of the scores' own region: not carried across batch views)
-    r2 = causal_or_bias(r, chunks, documents and carry.period is None and not carry.carried)
+    plain = carry.period is None and not carry.carried
+    r2 = causal_or_bias(r, chunks, documents and plain, dead_rows and plain)
     if isinstance(r2, str):
         return r2
-    parts, is_causal, _, _, window, chunk, docs = r2
-    beside = window_beside_one_fill(r) if dead_rows and not (is_causal or window or chunk or docs is not None) \
-        and carry.period is None and not carry.carried else None
-    if beside is not None:
-        parts, source, window, value = beside
-        notes = [f"sliding window {window} (proved: query i sees keys from i-{window - 1}; {source}): the kernels "
-                 f"skip the key blocks it hides; rows masked everywhere (fill {value:g}) average v over all keys "
-                 "after the op, as eager"] + structure_notes(parts)
-        return _Masks(r.scale, r.scale_nodes, parts, True, source, notes, window, 0, None, carry, value)
     return _Masks(r.scale, r.scale_nodes, *r2, carry)
 
 

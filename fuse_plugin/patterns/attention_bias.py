@@ -231,10 +231,11 @@ def _finite_fill(p: MaskPart) -> bool:
     return isinstance(p, MaskFill) and p.value != -math.inf
 
 
-def causal_or_bias(m: ScoreMasks, chunks: bool = True,
-                   documents: bool = True) -> Union[tuple[list, bool, str, list, int, int, Any], str]:
+def causal_or_bias(m: ScoreMasks, chunks: bool = True, documents: bool = True,
+                   dead_rows: bool = False) -> Union[tuple[list, bool, str, list, int, int, Any, Optional[float]], str]:
     """(the parts left for the bias, is_causal, how the causal mask was found, notes, window,
-    chunk, documents: the id node or None), or why the chain is refused.
+    chunk, documents: the id node or None, dead_average: the fill whose rows masked everywhere
+    are averaged after the op, or None), or why the chain is refused.
 
     A causal part becomes is_causal (the op's -inf causal masking, applied after the bias) only
     where that keeps eager's value of every score it hides:
@@ -264,10 +265,13 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True,
     (``_documents``) either they are the only mask besides a causal one, Lq == Lk (every row keeps
     its own key under both, so fill values change nothing), or the part fills -inf and no other
     part (causal ones included) has a finite fill; not with ``documents`` False (the sinks op
-    takes none, a site whose scores are not 4-D)."""
+    takes none, a site whose scores are not 4-D).
+
+    With ``dead_rows`` (the caller can fix rows after the op), a window beside other parts of one
+    absorbing fill (HF's eager padding) is taken too: ``window_beside_one_fill``."""
     causal = [p for p in m.split if isinstance(p, CausalPart)]
     rest = [p for p in m.split if not isinstance(p, CausalPart)]
-    parts, is_causal, source, notes, window = m.raw, False, "", [], 0
+    parts, is_causal, source, notes, window, dead_average = m.raw, False, "", [], 0, None
     memo: dict = {}
     # the bands beside a causal mask: (part, ("window", W) or ("chunk", C))
     windows = [(p, band_of(p, memo)) for p in rest] if causal else []
@@ -281,6 +285,10 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True,
             parts = [p for p in rest if p is not windows[0][0]]
     elif causal and len(rest) == 1 and len(windows) == 1 and _rows_keep_own_key(m.lq, m.lk):
         parts, is_causal, source, window = [], True, causal[0].source, windows[0][1]
+    elif causal and dead_rows and (beside := window_beside_one_fill(m, memo)) is not None:
+        band, dead_average = beside
+        windows = [(p, w) for p, w in windows if p is band]
+        parts, is_causal, source, window = [p for p in rest if p is not band], True, causal[0].source, windows[0][1]
     elif causal:
         notes.append(f"causal mask ({causal[0].source}) kept in the bias with its own values: "
                      "is_causal's -inf masking would change rows masked everywhere")
@@ -298,7 +306,7 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True,
             notes.append(f"documents (ids from {docs.name}: query i sees keys j with doc[j] == doc[i]), passed to "
                          "the op: the kernels skip the key blocks outside each query block's documents")
             notes += structure_notes([p for p in rest if p is not part])
-            return parts, is_causal, source, notes, 0, 0, docs
+            return parts, is_causal, source, notes, 0, 0, docs, None
     if window:
         part = windows[0][0]
         kind, window = window
@@ -308,11 +316,13 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True,
                          "j <= i): the kernels skip the key blocks outside each query's chunk")
         else:
             notes.append(f"sliding window {window} (proved: query i sees keys from i-{window - 1}; "
-                         f"{causal_source(part.mask)}): the kernels skip the key blocks it hides")
+                         f"{causal_source(part.mask)}): the kernels skip the key blocks it hides"
+                         + (f"; rows masked everywhere (fill {dead_average:g}) average v over all keys after "
+                            "the op, as eager" if dead_average is not None else ""))
         notes += structure_notes([p for p in rest if p is not part])
     else:
         notes += structure_notes(rest)
-    return parts, is_causal, source, notes, window, chunk, None
+    return parts, is_causal, source, notes, window, chunk, None, dead_average
 
 
 # A finite mask value at or below this absorbs every score: s + V == V in float32 (its ulp at 1e30
@@ -321,11 +331,11 @@ def causal_or_bias(m: ScoreMasks, chunks: bool = True,
 ABSORBING = -1e30
 
 
-def window_beside_one_fill(m: ScoreMasks, memo: Optional[dict] = None) -> Optional[tuple[list, str, int, float]]:
-    """(the parts left for the bias, the causal mask's source, the window W, the fill value V) for a
-    causal mask and a sliding window beside other mask parts (HF's padding), all from ONE fill of
-    one value V that absorbs the scores (ABSORBING), Lq <= Lk; None otherwise. HF's eager builders
-    give this: `where(causal & window & padding, 0, finfo.min)` added once.
+def window_beside_one_fill(m: ScoreMasks, memo: dict) -> Optional[tuple[MaskFill, float]]:
+    """(the window's part, the fill value V) for a causal mask and a sliding window beside other
+    mask parts (HF's padding), all from ONE fill of one value V that absorbs the scores
+    (ABSORBING), Lq <= Lk; None otherwise. HF's eager builders give this:
+    `where(causal & window & padding, 0, finfo.min)` added once.
 
     Then every hidden score of eager is exactly V: a row with a visible key gives its hidden keys
     weight 0, as the op's -inf causal and window masking does; a row with none (a query at a padded
@@ -345,13 +355,8 @@ def window_beside_one_fill(m: ScoreMasks, memo: Optional[dict] = None) -> Option
     value = values.pop()
     if not (math.isfinite(value) and value <= ABSORBING) or not _rows_keep_own_key(m.lq, m.lk):
         return None
-    memo = {} if memo is None else memo
-    windows = [(p, band_of(p, memo)) for p in rest]
-    windows = [(p, w[1]) for p, w in windows if w is not None and w[0] == "window"]
-    if len(windows) != 1:
-        return None
-    part, window = windows[0]
-    return [p for p in rest if p is not part], causal[0].source, window, value
+    windows = [p for p in rest if (band_of(p, memo) or ("",))[0] == "window"]
+    return (windows[0], value) if len(windows) == 1 else None
 
 
 def _documents(m: ScoreMasks, rest: list, memo: dict) -> Optional[tuple]:

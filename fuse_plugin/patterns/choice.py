@@ -205,13 +205,36 @@ def _window_rule(site) -> Optional[Decision]:
     return Decision(True, _WINDOW_MEASURED.format(w=w, l=lk))
 
 
+# XCiT's cross-covariance attention (issue 28, H100, torch 2.11, bf16, 2026-11-27, class xcit-xca):
+# 32 tokens (channels), head dim 196 (patches): only our general kernels run that head dim, at
+# 0.34x / 0.29x Inductor's speed (fwd / train). Its other sizes (xcit_tiny/small/medium: 48-64
+# channels a head; fp32) are not measured: left to Inductor, as they were before the rewrite matched
+# them (stop 34).
+_WIDE_HEAD_RULE = ("left to Inductor by rule: <= 64 tokens with a head dim above 128 (XCiT's attention over "
+                   "channels: our kernels 0.29-0.34x Inductor at 32 tokens, head dim 196; issue 28, H100, "
+                   "2026-11-27); the choice table decides once it measures this class")
+
+
 def _rule(site) -> Optional[str]:
     """The measured rule that leaves an unmeasured site to Inductor, if one applies."""
     qv, kv = site.q.value(), site.k.value()
-    small = _hint(qv.shape[-2]) <= 64 and _hint(kv.shape[-2]) <= 64 and _hint(qv.shape[-1]) <= 32
-    if small and _bias_form(site) in ("float", "periodic"):
+    short = _hint(qv.shape[-2]) <= 64 and _hint(kv.shape[-2]) <= 64
+    if short and _hint(qv.shape[-1]) <= 32 and _bias_form(site) in ("float", "periodic"):
         return _WINDOW_RULE
+    if short and _hint(qv.shape[-1]) > 128:
+        return _WIDE_HEAD_RULE
     return None
+
+
+def window_beside_padding(q_value, lk) -> bool:
+    """May a window beside HF's eager padding (attention_bias.window_beside_one_fill) become the
+    op's window, its rows masked everywhere averaged after the op? On the GPU only in the window
+    rule's measured range (16-bit, from WINDOW_RULE_MIN_KEYS keys on): shorter, the average's cost
+    next to the skipped blocks is not measured, and the band stays the dense bias it was before
+    (stop 34). On the CPU (the op's reference) always."""
+    if not isinstance(q_value, torch.Tensor) or q_value.device.type != "cuda":
+        return True
+    return q_value.dtype in (torch.float16, torch.bfloat16) and _hint(lk) >= WINDOW_RULE_MIN_KEYS
 
 
 def decide_from(times: Optional[dict], mode: str, key: Optional[str], sdpa_ok: bool = False,

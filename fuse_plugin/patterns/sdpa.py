@@ -82,7 +82,7 @@ def match_sdpa(node: fx.Node) -> Union[AttentionSite, str]:
     masks = _masks(c["attn_mask"], is_causal, (B, Hq, Lq, Lk), Lq, Lk)
     if isinstance(masks, str):
         return masks
-    bias_parts, is_causal, causal_note, notes, window, chunk, documents = masks
+    bias_parts, is_causal, causal_note, notes, window, chunk, documents, _ = masks  # (no dead rows: dead_rows off)
     inputs = [q.node, k.node, v.node] + [p.node if hasattr(p, "node") else p.mask for p in bias_parts]
     if documents is not None:
         inputs.append(documents)
@@ -142,7 +142,7 @@ def _masks(mask: Any, is_causal: bool, scores: tuple, Lq, Lk) -> Union[tuple, st
     """(bias parts, is_causal, how causal was found, notes) of attn_mask (attention_bias), or why
     not. A bool mask is a keep mask (a -inf fill where False), a float one an additive term."""
     if mask is None:
-        return [], is_causal, "is_causal=True" if is_causal else "", [], 0, 0, None
+        return [], is_causal, "is_causal=True" if is_causal else "", [], 0, 0, None, None
     if is_causal:
         return "attn_mask and is_causal=True together (SDPA refuses them)"
     if not isinstance(mask, fx.Node) or dtype(mask) is None:
