@@ -11,6 +11,7 @@ backward ms (median of `triton.testing.do_bench`, no CUDA graphs, the best of --
   causal          our launchers (kernels/attention.py), causal, no window, the registry's family
   causal-general  the same with the general family forced (registry.forced("general"))
   window          our launchers with window=W, the registry's family
+  window-general  the same with the general family forced (before stop 35 the only one with windows)
   sdpa-band       F.scaled_dot_product_attention with the dense (L, L) bool band mask, among its
                   mask-taking backends (cuDNN, efficient; math is left out: its scores do not fit)
   sdpa-causal     SDPA is_causal=True (flash, cuDNN or efficient: whichever torch picks)
@@ -166,6 +167,7 @@ def problem(cfg, L, W, D, dtype, device, bench, smoke):
         "causal": lambda: ours(q, k, v, 0, None, bench),
         "causal-general": lambda: ours(q, k, v, 0, "general", bench),
         "window": lambda: ours(q, k, v, W, None, bench),
+        "window-general": lambda: ours(q, k, v, W, "general", bench),
         "sdpa-band": lambda: sdpa(q, k, v, mask, BAND_BACKENDS, bench, smoke),
         "sdpa-causal": lambda: sdpa(q, k, v, None, CAUSAL_BACKENDS, bench, smoke),
     }

@@ -97,10 +97,88 @@ def test_other_families_say_why_not(band, why, described):
     reasons = registry.reasons(call)
     assert reasons["general"] is None
     for name in ("cudnn", "decode", "small", "gluon", "tma"):
+        if name == "gluon" and band == "window":  # it runs one (test_gluon_window_matches_the_band_reference)
+            assert "window" not in reasons[name], reasons[name]
+            continue
         assert reasons[name] == f"it takes {why} (the general kernels do)", name
     with registry.forced("cudnn"), pytest.raises(registry.FamilyError, match=why):
         registry.choose(call)
     assert described in call.describe()
+
+
+def _gluon_why_not():
+    from fuse_plugin.kernels import attention_hopper as hopper
+
+    if DEVICE != "cuda":
+        return "the Gluon kernels need a CUDA GPU (sm_90 with Triton 3.6); CI runs on the CPU"
+    if not (hopper.gluon_fwd.GLUON_AVAILABLE and hopper.gluon_bwd.GLUON_AVAILABLE):
+        return "this Triton has no Gluon API the kernels are written for (Triton 3.6)"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the Gluon kernels run on sm_90 (Hopper) only"
+    return None
+
+
+GLUON_WINDOW_CASES = [  # (Lq, Lk, window, Hq, Hkv, D)
+    (1000, 1000, 300, 4, 2, 128),  # GQA (its dK / dV partials), a partial last block, an odd window
+    (2048, 2048, 512, 2, 2, 128),  # a window of whole blocks: skipped blocks on both sides
+    (300, 300, 1, 2, 1, 128),  # each query sees itself alone: every lower-edge block hides whole rows
+    (700, 700, 129, 2, 2, 64),  # D 64, a window one key past a block
+    (256, 256, 1000, 2, 1, 128),  # a window past the length: plain causal
+    (300, 700, 200, 2, 2, 128),  # Lq < Lk
+    (17, 17, 5, 2, 1, 128),  # one block
+]
+GLUON_FWD = {"pingpong": AttentionConfig(128, 128, 4, 2, False, "gluon_pingpong"),
+             "plain": AttentionConfig(128, 128, 4, 2, False, "gluon")}
+
+
+@pytest.mark.skipif(_gluon_why_not() is not None, reason=str(_gluon_why_not()))
+@pytest.mark.parametrize("fwd", list(GLUON_FWD), ids=list(GLUON_FWD))
+@pytest.mark.parametrize("lq, lk, window, hq, hkv, d", GLUON_WINDOW_CASES)
+def test_gluon_window_matches_the_band_reference(monkeypatch, fwd, lq, lk, window, hq, hkv, d):
+    """The warp-specialised Gluon forward and backward with a sliding window (bf16) against the
+    float64 band reference: out, lse and the three gradients, every output and scratch buffer
+    poisoned with NaN first (an element a kernel skipped reads NaN)."""
+    from fuse_plugin.kernels import attention_hopper as hopper
+    from fuse_plugin.kernels import host
+    from helpers import poisoned_empty
+
+    torch.manual_seed(lq + window + d)
+    q = torch.randn(1, hq, lq, d, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, hkv, lk, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    scale = d ** -0.5
+    monkeypatch.setattr(host, "empty", poisoned_empty)
+    launches = {"fwd": 0, "bwd": 0}
+    fwd_kernel, bwd_launcher = hopper.gluon_fwd.attention_fwd_gluon_kernel, hopper.gluon_bwd.attention_backward_gluon
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches["fwd"] += 1
+            return fwd_kernel[grid]
+
+    def bwd_spy(*a, **kw):
+        launches["bwd"] += 1
+        if window < lk:  # (a window past the keys may reach the kernels as plain causal)
+            assert kw["window"] == window
+        return bwd_launcher(*a, **kw, poison=True)
+
+    monkeypatch.setattr(hopper.gluon_fwd, "attention_fwd_gluon_kernel", Spy())
+    monkeypatch.setattr(hopper.gluon_bwd, "attention_backward_gluon", bwd_spy)
+    out, lse = attention_forward(q, k, v, None, is_causal=True, scale=scale, window=window, config=GLUON_FWD[fwd])
+    dout = torch.randn_like(out)
+    dq, dk, dv, _ = attention_backward(dout, q, k, v, None, out, lse, is_causal=True, scale=scale,
+                                       need_dbias=False, window=window, deterministic=False,
+                                       config=AttentionConfig(64, 128, 8, 2, False, "gluon_lpt"))
+    assert launches == {"fwd": 1, "bwd": 1}
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    want = reference(q64, k64, v64, window)
+    g = hq // hkv
+    s = q64 @ k64.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    want_lse = s.masked_fill(~band(lq, lk, window, q.device), float("-inf")).logsumexp(-1)
+    check_close("out", out.double(), want, 1e-2)
+    check_close("lse", lse.double(), want_lse, 1e-3)
+    grads = torch.autograd.grad(want, [q64, k64, v64], dout.double())
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), grads):
+        check_close(name, got.double(), ref, 1e-2)
 
 
 def test_window_area_and_flops():

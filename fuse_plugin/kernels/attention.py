@@ -198,7 +198,7 @@ def attention_forward(q, k, v, bias, *, is_causal: bool, scale: float, config=No
         replace: bool, (B, Hq, Lq, Lk), next to a float bias: the scores where it holds are the
             bias alone.
         window: with is_causal, a sliding window: query i sees keys i - window + 1 .. i (0:
-            none). The kernels skip the key blocks it hides (the general family only).
+            none). The kernels skip the key blocks it hides (the general and Gluon families).
         chunk: with is_causal (no window), chunked attention: query i sees the keys of its
             chunk, j // chunk == i // chunk, up to itself (0: none; the general family only).
         documents: integer ids (B, L) or (1, L) (Lq == Lk): query i sees the keys of its own

@@ -68,6 +68,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_fwd_gluon import why_not_window
 from .host import sm_count
 
 GLUON_AVAILABLE = False
@@ -265,9 +266,10 @@ if GLUON_AVAILABLE:
     @gluon.jit
     def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, ready_bars, empty_bars,  #
                   dq_smem, dq_ready, dq_empty,  #
-                  n_start, GS, m_start, n_m, Lk, qk_scale,  #
+                  n_start, GS, m_start, n_m, Lk, window, qk_scale,  #
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,  #
-                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_K: gl.constexpr, num_warps: gl.constexpr):
+                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, MASK_K: gl.constexpr,  #
+                  num_warps: gl.constexpr):
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=_mma_warps(BLOCK_N, num_warps),
@@ -308,6 +310,11 @@ if GLUON_AVAILABLE:
                         keys = n_start + gl.arange(0, BLOCK_N, layout=row_layout)
                         qidx = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
                         pt = gl.where(keys[:, None] <= qidx[None, :], pt, 0.0)
+                if WINDOW:
+                    if m0 + BLOCK_M > n_start + window:  # past the window's edge: j visible iff j > i - window
+                        keys = n_start + gl.arange(0, BLOCK_N, layout=row_layout)
+                        qidx = m0 + gl.arange(0, BLOCK_M, layout=col_layout)
+                        pt = gl.where(keys[:, None] > qidx[None, :] - window, pt, 0.0)
                 if MASK_K:  # zero-filled K rows past Lk: keep them out of P (no inf * 0 in dQ)
                     if n_start + BLOCK_N > Lk:
                         keys = n_start + gl.arange(0, BLOCK_N, layout=row_layout)
@@ -335,11 +342,13 @@ if GLUON_AVAILABLE:
                 t += 1
         return dk, dv
 
-    @gluon.jit(do_not_specialize=["B", "Hq", "Hkv", "Lq", "Lk", "LQ_PAD", "SPLIT", "SW"])
+    @gluon.jit(do_not_specialize=["B", "Hq", "Hkv", "Lq", "Lk", "LQ_PAD", "SPLIT", "SW", "window"])
     def _attn_bwd_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, lse_desc, delta_desc,  #
-                            dqacc_ptr, dkp_ptr, dvp_ptr, B, Hq, Hkv, Lq, Lk, LQ_PAD, SPLIT, SW, qk_scale, dk_scale,  #
+                            dqacc_ptr, dkp_ptr, dvp_ptr, B, Hq, Hkv, Lq, Lk, LQ_PAD, SPLIT, SW, window,  #
+                            qk_scale, dk_scale,  #
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,  #
-                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, MASK_K: gl.constexpr,  #
+                            STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,  #
+                            MASK_K: gl.constexpr,  #
                             PRODUCER_REGS: gl.constexpr,  #
                             LPT: gl.constexpr, DKV_OUT: gl.constexpr, WRITER_PASSES: gl.constexpr,  #
                             num_warps: gl.constexpr):
@@ -370,6 +379,8 @@ if GLUON_AVAILABLE:
         h0 = off_hkv * G + split * GS
         n_start = pid_n * BLOCK_N
         n_m = gl.cdiv(Lq, BLOCK_M)
+        if WINDOW:  # the last query that sees this block's last key: n_start + BLOCK_N - 2 + window
+            n_m = gl.minimum(n_m, gl.cdiv(n_start + BLOCK_N - 1 + window, BLOCK_M))
         if CAUSAL:
             m_start = n_start // BLOCK_M  # first query block with a query i >= n_start
         else:
@@ -407,8 +418,8 @@ if GLUON_AVAILABLE:
         dk, dv = gl.warp_specialize([
             (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, kv_bar, ready_bars,
                          empty_bars, dq_smem, dq_ready, dq_empty,  #
-                         n_start, GS, m_start, n_m, Lk, qk_scale,  #
-                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, MASK_K, num_warps)),
+                         n_start, GS, m_start, n_m, Lk, window, qk_scale,  #
+                         BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW, MASK_K, num_warps)),
             (_producer, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc,  #
                          q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,  #
                          kv_bar, ready_bars, empty_bars, dq_smem, dq_ready, dq_empty, dqacc_ptr,  #
@@ -474,12 +485,13 @@ def _per_dim(knob, head_dim: int):
     return knob[head_dim] if isinstance(knob, dict) else knob
 
 
-def kernel_constexprs(cfg: dict, head_dim: int, causal: bool, mask_k: bool, dkv_out: int = 0) -> dict:
+def kernel_constexprs(cfg: dict, head_dim: int, causal: bool, mask_k: bool, dkv_out: int = 0,
+                      window: int = 0) -> dict:
     """The constexpr arguments of _attn_bwd_ws_kernel for one specialisation (shared with the
     local compile script). ``dkv_out``: 0 dK/dV stored by TMA in the input dtype (no group split),
-    1 fp32 per-share partials (group split > 1)."""
+    1 fp32 per-share partials (group split > 1). ``window``: a sliding window (0: none)."""
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=head_dim, STAGES=cfg["STAGES"],
-                CAUSAL=bool(causal), MASK_K=bool(mask_k),
+                CAUSAL=bool(causal), WINDOW=bool(window), MASK_K=bool(mask_k),
                 PRODUCER_REGS=_per_dim(cfg["PRODUCER_REGS"], head_dim), LPT=bool(cfg["LPT_MB"]) and bool(causal),
                 DKV_OUT=int(dkv_out),
                 WRITER_PASSES=cfg["WRITER_PASSES"])
@@ -515,10 +527,13 @@ def _aligned16(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
 
 
-def why_not_gluon_backward(q, k, v, out, dout, is_causal, scale) -> Optional[str]:
+def why_not_gluon_backward(q, k, v, out, dout, is_causal, scale, window: int = 0) -> Optional[str]:
     """None when attention_backward_gluon handles these inputs, else the reason it refuses."""
     if not GLUON_AVAILABLE:
         return f"gluon unavailable ({_GLUON_IMPORT_ERROR})"
+    why = why_not_window(q.shape[2], k.shape[2], is_causal, window)
+    if why is not None:
+        return why
     if not triton.__version__.startswith(_TESTED_TRITON):
         return f"Gluon API of triton {triton.__version__} untested (written for {_TESTED_TRITON})"
     ts = (q, k, v, out, dout)
@@ -583,8 +598,11 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale: float, variant: Optional[str] = None,
-                             poison: bool = False, group_split: Optional[int] = None):
+                             poison: bool = False, group_split: Optional[int] = None, window: int = 0):
     """(dq, dk, dv) of softmax(scale * q k^T [top-left causal]) v, by the warp-specialised Gluon kernel.
+
+    ``window`` (with is_causal, Lq <= Lk; 0: none): a sliding window, key j visible to query i iff
+    i - window < j <= i; each key block's program visits only the query blocks that see it.
 
     lse: (B, Hq, Lq) fp32 natural-log logsumexp of the forward. Outputs are contiguous in q's dtype.
     Call ``why_not_gluon_backward`` first; this function assumes the inputs pass it.
@@ -632,8 +650,8 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     dkp, dvp = (part[0], part[1]) if part is not None else (dqacc, dqacc)
     _attn_bwd_ws_kernel[(n_nb * rows, )](
         q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc, _vec_desc(lse2, BM), _vec_desc(delta, BM), dqacc,  #
-        dkp, dvp, B, Hq, Hkv, Lq, Lk, LQ_PAD, split, sw, float(scale) * LOG2E, float(scale),  #
-        **kernel_constexprs(cfg, D, is_causal, Lk % BN != 0, dkv_out),
+        dkp, dvp, B, Hq, Hkv, Lq, Lk, LQ_PAD, split, sw, int(window), float(scale) * LOG2E, float(scale),  #
+        **kernel_constexprs(cfg, D, is_causal, Lk % BN != 0, dkv_out, window),
         num_warps=_NUM_WARPS, maxnreg=cfg["MAXNREG"])
 
     if part is not None:

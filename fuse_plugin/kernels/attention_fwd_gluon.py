@@ -103,10 +103,13 @@ def variant_fits(v: GluonFwdVariant, D: int) -> bool:
 if GLUON_AVAILABLE:
 
     @gluon.jit
-    def _kv_blocks(start_m, Lk, IS_CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr):
-        """(n_total, n_full): key blocks the tile visits, and how many leading ones need no mask
-        for any of its rows (top-left causal: row i sees keys j <= i)."""
+    def _kv_blocks(start_m, Lk, window, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """(n_lo, n_lofull, n_full, n_total), key block indices: the tile visits blocks n_lo ..
+        n_total - 1; those before n_full need no causal mask for any of its rows (top-left
+        causal: row i sees keys j <= i), those from n_lofull on no window mask (a sliding
+        window: row i sees keys j > i - window, so blocks before the first row's window are
+        skipped and the blocks at the window's lower edge are masked)."""
         if IS_CAUSAL:
             hi = gl.minimum(Lk, start_m + BLOCK_M)
             n_full = gl.minimum(Lk // BLOCK_N, (start_m + 1) // BLOCK_N)
@@ -114,12 +117,20 @@ if GLUON_AVAILABLE:
             hi = Lk
             n_full = Lk // BLOCK_N
         n_total = gl.cdiv(hi, BLOCK_N)
-        return n_total, n_full
+        if WINDOW:
+            n_lo = gl.maximum(start_m - window + 1, 0) // BLOCK_N
+            n_lofull = gl.cdiv(gl.maximum(start_m + BLOCK_M - window, 0), BLOCK_N)
+        else:
+            n_lo = start_m * 0
+            n_lofull = start_m * 0
+        return n_lo, n_lofull, n_full, n_total
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                  v_ready, v_empty, b, h, kvh, start_m, n_total,
+                  v_ready, v_empty, b, h, kvh, start_m, n_lo, n_total,
                   M_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        # Iteration j loads key block n_lo + j (the ring's slots and phases count iterations).
+        n_iter = n_total - n_lo
         # Both Q sub-tiles on one barrier.
         mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_bar, q_smem.index(0))
@@ -128,51 +139,61 @@ if GLUON_AVAILABLE:
         # K_0, then (K_{j+1}, V_j) pairs: the consumers need K_{j+1} before V_j.
         mbarrier.wait(k_empty.index(0), 1)
         mbarrier.expect(k_ready.index(0), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, kvh, 0, 0], k_ready.index(0),
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, n_lo * BLOCK_N, 0], k_ready.index(0),
                                         k_smem.index(0))
-        for j in range(n_total):
+        for j in range(n_iter):
             jn = j + 1
-            if jn < n_total:
+            if jn < n_iter:
                 s = jn % STAGES
                 mbarrier.wait(k_empty.index(s), ((jn // STAGES) & 1) ^ 1)
                 mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [b, kvh, jn * BLOCK_N, 0],
+                tma.async_copy_global_to_shared(k_desc, [b, kvh, (n_lo + jn) * BLOCK_N, 0],
                                                 k_ready.index(s), k_smem.index(s))
             s = j % STAGES
             mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(s),
-                                            v_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [b, kvh, (n_lo + j) * BLOCK_N, 0],
+                                            v_ready.index(s), v_smem.index(s))
 
     @gluon.jit
-    def _softmax_step(s, m_i, l_i, qk_scale, rows, start_n, Lk, s_layout: gl.constexpr,
-                      MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _softmax_step(s, m_i, l_i, qk_scale, rows, start_n, Lk, window, s_layout: gl.constexpr,
+                      MASK: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                      BLOCK_N: gl.constexpr):
         """Online-softmax update for one score tile: returns (p, m_new, l_new, alpha)."""
         if MASK:
             cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             visible = gl.expand_dims(cols, 0) < Lk
             if IS_CAUSAL:
                 visible = visible & (gl.expand_dims(rows, 1) >= gl.expand_dims(cols, 0))
+            if WINDOW:
+                visible = visible & (gl.expand_dims(cols, 0) > gl.expand_dims(rows, 1) - window)
             s = gl.where(visible, s * qk_scale, float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
-            p = gl.exp2(s - gl.expand_dims(m_new, 1))
+            m_use = m_new
+            if WINDOW:
+                # A window-edge block can hide every key of a row that has seen none yet: its
+                # max stays -inf, exponentiated against 0 (p = 0, alpha = 0, not exp2(-inf + inf)).
+                m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+            alpha = gl.exp2(m_i - m_use)
         else:
             # Row max on the raw dots, the scale folded into one FMA per score (scale > 0).
             m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
             p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-        alpha = gl.exp2(m_i - m_new)
+            alpha = gl.exp2(m_i - m_new)
         l_new = l_i * alpha + gl.sum(p, 1)
         return p, m_new, l_new, alpha
 
     @gluon.jit
     def _consumer_iter(j, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, o,
-                       p_op, m_i, l_i, qk_scale, rows, Lk,
+                       p_op, m_i, l_i, qk_scale, rows, Lk, n_lo, window,
                        CID: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr, MASK: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                       PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                       STAGES: gl.constexpr, M_WG: gl.constexpr, dtype: gl.constexpr):
-        """Iteration j >= 1: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the
-        softmax of S_j overlapping the PV wgmma."""
+                       WINDOW: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr,
+                       D: gl.constexpr, STAGES: gl.constexpr, M_WG: gl.constexpr,
+                       dtype: gl.constexpr):
+        """Iteration j >= 1 (key block n_lo + j): S_j = Q K_j^T and O += P_{j-1} V_{j-1} in
+        flight together, the softmax of S_j overlapping the PV wgmma."""
         s_idx = j % STAGES
         jp = j - 1
         sp_idx = jp % STAGES
@@ -189,8 +210,8 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(turn.index(1 - CID), count=1)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(s_idx), count=1)
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, j * BLOCK_N, Lk,
-                                           s_layout, MASK, IS_CAUSAL, BLOCK_N)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, (n_lo + j) * BLOCK_N, Lk,
+                                           window, s_layout, MASK, IS_CAUSAL, WINDOW, BLOCK_N)
         o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(v_empty.index(sp_idx), count=1)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
@@ -200,10 +221,10 @@ if GLUON_AVAILABLE:
 
     @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                  o_desc, lse_ptr, stride_lb, stride_lh, b, h, start_m, n_total, n_full, Lq, Lk,
-                  qk_scale, CID: gl.constexpr, M_WG: gl.constexpr, BLOCK_N: gl.constexpr,
-                  D: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  PINGPONG: gl.constexpr):
+                  o_desc, lse_ptr, stride_lb, stride_lh, b, h, start_m, n_lo, n_lofull, n_full,
+                  n_total, Lq, Lk, window, qk_scale, CID: gl.constexpr, M_WG: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr, PINGPONG: gl.constexpr):
         dtype: gl.constexpr = o_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -215,7 +236,8 @@ if GLUON_AVAILABLE:
         q_tile = q_smem.index(CID)
         q2d = q_tile.reshape([M_WG, D])
 
-        # Block 0 (always masked: cheap, once), synchronous.
+        # Iteration j reads key block n_lo + j (n_lo = 0 without a window).
+        # Block n_lo (always masked: cheap, once), synchronous.
         mbarrier.wait(q_bar, 0)
         mbarrier.wait(k_ready.index(0), 0)
         k2d = k_smem.index(0).reshape([BLOCK_N, D])
@@ -229,26 +251,34 @@ if GLUON_AVAILABLE:
         mbarrier.arrive(k_empty.index(0), count=1)
         m_i = gl.full([M_WG], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([M_WG], gl.float32, gl.SliceLayout(1, s_layout))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, 0, Lk, s_layout, True,
-                                           IS_CAUSAL, BLOCK_N)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, n_lo * BLOCK_N, Lk, window,
+                                           s_layout, True, IS_CAUSAL, WINDOW, BLOCK_N)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         o = gl.zeros([M_WG, D], gl.float32, o_layout)
 
-        # Unmasked blocks, then the masked tail (causal diagonal / partial last block).
-        n_mid = gl.maximum(n_full, 1)
-        for j in range(1, n_mid):
+        # The window's masked lower edge, the unmasked blocks, then the masked tail (causal
+        # diagonal / partial last block); without a window the first loop is empty.
+        j_mid = gl.maximum(gl.minimum(n_lofull, n_full) - n_lo, 1)
+        j_tail = gl.maximum(n_full - n_lo, j_mid)
+        if WINDOW:
+            for j in range(1, j_mid):
+                o, p_op, m_i, l_i = _consumer_iter(
+                    j, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, o, p_op,
+                    m_i, l_i, qk_scale, rows, Lk, n_lo, window, CID, s_layout, o_layout, p_layout,
+                    True, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
+        for j in range(j_mid, j_tail):
             o, p_op, m_i, l_i = _consumer_iter(
                 j, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, o, p_op, m_i,
-                l_i, qk_scale, rows, Lk, CID, s_layout, o_layout, p_layout, False, IS_CAUSAL,
-                PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
-        for j in range(n_mid, n_total):
+                l_i, qk_scale, rows, Lk, n_lo, window, CID, s_layout, o_layout, p_layout, False,
+                IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
+        for j in range(j_tail, n_total - n_lo):
             o, p_op, m_i, l_i = _consumer_iter(
                 j, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, o, p_op, m_i,
-                l_i, qk_scale, rows, Lk, CID, s_layout, o_layout, p_layout, True, IS_CAUSAL,
-                PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
+                l_i, qk_scale, rows, Lk, n_lo, window, CID, s_layout, o_layout, p_layout, True,
+                IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
 
         # Last PV.
-        jl = n_total - 1
+        jl = n_total - n_lo - 1
         sl = jl % STAGES
         mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
         v2d = v_smem.index(sl).reshape([BLOCK_N, D])
@@ -269,12 +299,12 @@ if GLUON_AVAILABLE:
 
     # Integer arguments are not specialised (on divisibility by 16 / == 1): one compile per
     # (dtype, D, causal, variant), whatever the sequence lengths and head counts.
-    @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "Hq", "kv_group", "Lq", "Lk"])
+    @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "Hq", "kv_group", "Lq", "Lk", "window"])
     def attention_fwd_gluon_kernel(
             q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, Hq, kv_group, Lq, Lk,
-            qk_scale, D: gl.constexpr, M_WG: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-            CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+            window, qk_scale, D: gl.constexpr, M_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+            PINGPONG: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
         BLOCK_M: gl.constexpr = 2 * M_WG
         n_m = gl.cdiv(Lq, BLOCK_M)
         pid = gl.program_id(0)
@@ -284,7 +314,8 @@ if GLUON_AVAILABLE:
         h = pid_bh % Hq
         kvh = h // kv_group
         start_m = pid_m * BLOCK_M
-        n_total, n_full = _kv_blocks(start_m, Lk, IS_CAUSAL, BLOCK_M, BLOCK_N)
+        n_lo, n_lofull, n_full, n_total = _kv_blocks(start_m, Lk, window, IS_CAUSAL, WINDOW,
+                                                     BLOCK_M, BLOCK_N)
 
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
@@ -309,13 +340,16 @@ if GLUON_AVAILABLE:
 
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, lse_ptr, stride_lb, stride_lh, b, h, start_m, n_total, n_full,
-                         Lq, Lk, qk_scale, 0, M_WG, BLOCK_N, D, STAGES, IS_CAUSAL, PINGPONG)),
+                         o_desc, lse_ptr, stride_lb, stride_lh, b, h, start_m, n_lo, n_lofull,
+                         n_full, n_total, Lq, Lk, window, qk_scale, 0, M_WG, BLOCK_N, D, STAGES,
+                         IS_CAUSAL, WINDOW, PINGPONG)),
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                         o_desc, lse_ptr, stride_lb, stride_lh, b, h, start_m, n_total, n_full,
-                         Lq, Lk, qk_scale, 1, M_WG, BLOCK_N, D, STAGES, IS_CAUSAL, PINGPONG)),
+                         o_desc, lse_ptr, stride_lb, stride_lh, b, h, start_m, n_lo, n_lofull,
+                         n_full, n_total, Lq, Lk, window, qk_scale, 1, M_WG, BLOCK_N, D, STAGES,
+                         IS_CAUSAL, WINDOW, PINGPONG)),
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                         v_ready, v_empty, b, h, kvh, start_m, n_total, M_WG, BLOCK_N, STAGES)),
+                         v_ready, v_empty, b, h, kvh, start_m, n_lo, n_total, M_WG, BLOCK_N,
+                         STAGES)),
         ], [4, 1], [CONS_REGS, LOAD_REGS])
 
 
@@ -324,10 +358,13 @@ if GLUON_AVAILABLE:
 # ------------------------------------------------------------------------------------------
 
 
-def why_not_gluon_forward(q, k, v, is_causal, scale) -> Optional[str]:
+def why_not_gluon_forward(q, k, v, is_causal, scale, window: int = 0) -> Optional[str]:
     """None when ``attention_forward_gluon`` covers this call, else the reason it does not."""
     if not GLUON_AVAILABLE:
         return _GLUON_WHY_NOT
+    why = why_not_window(q.shape[2], k.shape[2], is_causal, window)
+    if why is not None:
+        return why
     import torch
     if not (q.is_cuda and k.is_cuda and v.is_cuda):
         return "tensors are not on a CUDA device"
@@ -394,11 +431,13 @@ def resolve_variant(variant, D: int) -> GluonFwdVariant:
 
 
 def attention_forward_gluon(q, k, v, *, is_causal: bool, scale: float, variant=None, out=None,
-                            lse=None):
+                            lse=None, window: int = 0):
     """(out (B, Hq, Lq, D) in q's dtype, lse (B, Hq, Lq) fp32 natural log). ``variant``: a name
     in VARIANTS, a GluonFwdVariant, or None (DEFAULT_VARIANTS by head dim). ``out`` / ``lse``:
-    optional preallocated contiguous outputs (tests poison them to catch unwritten elements)."""
-    why = why_not_gluon_forward(q, k, v, is_causal, scale)
+    optional preallocated contiguous outputs (tests poison them to catch unwritten elements).
+    ``window``: a sliding window (with is_causal, Lq <= Lk; 0 = none): query i sees keys
+    i - window < j <= i, and the blocks before its window are not visited."""
+    why = why_not_gluon_forward(q, k, v, is_causal, scale, window)
     if why is not None:
         raise ValueError(f"Gluon forward not applicable: {why}")
     import torch
@@ -412,27 +451,41 @@ def attention_forward_gluon(q, k, v, *, is_causal: bool, scale: float, variant=N
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (B, Hq, Lq) and lse.dtype == torch.float32 and lse.stride(2) == 1
-    launch_forward_gluon(q, k, v, out, lse, is_causal, scale, var)
+    launch_forward_gluon(q, k, v, out, lse, is_causal, scale, var, window)
     return out, lse
 
 
-def launch_forward_gluon(q, k, v, out, lse, is_causal, scale, var: GluonFwdVariant) -> None:
+def why_not_window(Lq: int, Lk: int, is_causal: bool, window: int) -> Optional[str]:
+    """None when the Gluon kernels run this sliding window (0: none), else why not: with
+    is_causal only, and Lq <= Lk, where every row sees at least its own key (a row that sees
+    none would need eager's NaN, which these kernels do not write)."""
+    if not window:
+        return None
+    if window < 0 or not is_causal:
+        return f"a sliding window needs is_causal and window >= 1, got window={window}"
+    if Lq > Lk:
+        return f"a sliding window with more queries than keys ({Lq} > {Lk})"
+    return None
+
+
+def launch_forward_gluon(q, k, v, out, lse, is_causal, scale, var: GluonFwdVariant,
+                         window: int = 0) -> None:
     """The launch alone, for callers that have checked the problem (kernels/attention.py):
     out contiguous (B, Hq, Lq, D) and lse (B, Hq, Lq) fp32 with unit last stride."""
-    grid, args, kwargs = _launch_args(q, k, v, out, lse, is_causal, scale, var)
+    grid, args, kwargs = _launch_args(q, k, v, out, lse, is_causal, scale, var, window)
     attention_fwd_gluon_kernel[grid](*args, **kwargs)
 
 
-def _launch_args(q, k, v, out, lse, is_causal, scale, var: GluonFwdVariant):
+def _launch_args(q, k, v, out, lse, is_causal, scale, var: GluonFwdVariant, window: int = 0):
     """(grid, args, kwargs) of one kernel launch (also used by the local compile check)."""
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
     grid = (-(-Lq // (2 * var.m_wg)) * B * Hq,)  # not triton.cdiv: slow from Python
     args = (_descriptor(q, var.m_wg), _descriptor(k, var.block_n), _descriptor(v, var.block_n),
             _descriptor(out, var.m_wg), lse, lse.stride(0), lse.stride(1), Hq, Hq // Hkv, Lq, Lk,
-            float(scale) * _LOG2E)
+            int(window), float(scale) * _LOG2E)
     kwargs = dict(D=D, M_WG=var.m_wg, BLOCK_N=var.block_n, STAGES=var.stages,
-                  IS_CAUSAL=bool(is_causal), PINGPONG=bool(var.pingpong),
+                  IS_CAUSAL=bool(is_causal), WINDOW=bool(window), PINGPONG=bool(var.pingpong),
                   CONS_REGS=var.cons_regs, LOAD_REGS=var.load_regs, num_warps=4,
                   maxnreg=var.maxnreg)
     return grid, args, kwargs

@@ -239,12 +239,13 @@ def run_forward_gluon(call, cfg: AttentionConfig, out_layout):
     if is_tracing():
         o, lse = torch.ops.fuse_plugin.gluon_attention_forward(
             q, k, v, call.is_causal, float(call.scale), cfg.block_m, cfg.block_n, cfg.num_stages,
-            cfg.kernel)
+            cfg.kernel, window=call.window)
         return out_layout(o), lse
     o = host.empty((B, Hq, Lq, Dv), q.dtype, q.device)
     lse = host.empty((B, Hq, Lq), torch.float32, q.device)
     try:
-        gluon_fwd.launch_forward_gluon(q, k, v, o, lse, call.is_causal, call.scale, gluon_variant(cfg))
+        gluon_fwd.launch_forward_gluon(q, k, v, o, lse, call.is_causal, call.scale, gluon_variant(cfg),
+                                       call.window)
     except OutOfResources as e:
         if call.config is not None:
             raise
@@ -264,11 +265,11 @@ def run_backward_gluon(call, cfg: AttentionConfig):
     if is_tracing():  # as in the forward: one opaque op
         grads = torch.ops.fuse_plugin.gluon_attention_backward(
             dout_c, q, k, v, out_c, call.lse, call.is_causal, float(call.scale), variant,
-            call.group_split or 0)
+            call.group_split or 0, window=call.window)
     else:
         grads = gluon_bwd.attention_backward_gluon(
             dout_c, q, k, v, out_c, call.lse, is_causal=call.is_causal, scale=call.scale,
-            variant=variant, group_split=call.group_split)
+            variant=variant, group_split=call.group_split, window=call.window)
     return (*(in_layout_of(g, x) for g, x in zip(grads, call.inputs)), None)
 
 

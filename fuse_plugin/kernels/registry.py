@@ -76,7 +76,7 @@ class Family:
     periodic_bias = False  # reads a window-periodic bias by its period (call.py)
     rule = ""  # why it is taken when it is the first that can run a call (the priority list)
 
-    takes_window = False  # runs a sliding window, chunks, documents (``call.window``, ``chunk``, ``documents``)
+    takes_window = False  # runs a sliding window (Gluon: that only), chunks, documents (``call.window``, ``chunk``, ``documents``)
     takes_sinks = False  # folds sink logits into its forward's softmax (``call.sinks``); else merged after it
 
     def why_not(self, call) -> Optional[str]:
@@ -250,15 +250,35 @@ class Efficient(Family):
         return (*(in_layout_of(g, x) for g, x in zip((dq, dk, dv), call.inputs)), dbias)
 
 
+def _gluon_band(call) -> Optional[str]:
+    """Why the Gluon kernels cannot run the call's band (None: they can): chunks or documents (a
+    sliding window they run: ``_gluon_window``)."""
+    if call.chunk:
+        return "it takes no chunks (the general kernels do)"
+    if call.documents is not None:
+        return "it takes no documents (the general kernels do)"
+    return None
+
+
+def _gluon_window(call) -> Optional[str]:
+    """Why not the call's sliding window (with Lq <= Lk only); asked after the TMA checks, which
+    refuse symbolic lengths."""
+    if not call.window:
+        return None
+    return attention_hopper.gluon_fwd.why_not_window(call.sizes[2], call.sizes[5], call.is_causal, call.window)
+
+
 class GluonForward(Family):
     name = "gluon"
     directions = ("fwd",)
     rule = "the tuning table's pick (warp-specialised Hopper kernel)"
+    takes_window = True  # a sliding window only (_gluon_band)
 
     def cannot(self, call):
         if attention_hopper.gluon_failed(self.config(call)):
             return "its tiles did not fit this GPU"
-        return attention_hopper.why_not_tma(call) or attention_hopper.why_not_gluon_platform(call)
+        return (_gluon_band(call) or attention_hopper.why_not_tma(call)
+                or attention_hopper.why_not_gluon_platform(call) or _gluon_window(call))
 
     def declines(self, call):
         return _not_picked(call, GLUON_FWD_KERNELS, "a Gluon kernel")
@@ -279,11 +299,13 @@ class GluonBackward(Family):
     name = "gluon"
     directions = ("bwd",)
     rule = GluonForward.rule
+    takes_window = True  # a sliding window only (_gluon_band)
 
     def cannot(self, call):
         if call.deterministic:
             return "deterministic mode (it adds dQ with atomics)"
-        return attention_hopper.why_not_gluon_bwd(call, self.config(call))
+        return (_gluon_band(call) or attention_hopper.why_not_gluon_bwd(call, self.config(call))
+                or _gluon_window(call))
 
     def declines(self, call):
         return _not_picked(call, GLUON_BWD_KERNELS, "a Gluon kernel")
