@@ -12,6 +12,8 @@ backward ms (median of `triton.testing.do_bench`, no CUDA graphs, the best of --
   causal-general  the same with the general family forced (registry.forced("general"))
   window          our launchers with window=W, the registry's family
   window-general  the same with the general family forced (before stop 35 the only one with windows)
+With --sweep also "causal-gluon" (the Gluon family forced) and the window under each of SWEEP's
+forward / backward configs (the Gluon variants).
   sdpa-band       F.scaled_dot_product_attention with the dense (L, L) bool band mask, among its
                   mask-taking backends (cuDNN, efficient; math is left out: its scores do not fit)
   sdpa-causal     SDPA is_causal=True (flash, cuDNN or efficient: whichever torch picks)
@@ -56,7 +58,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fuse_plugin  # noqa: F401  (registers torch.ops.fuse_plugin)
 from fuse_plugin.kernels import registry
-from fuse_plugin.kernels.attention import attention_backward, attention_forward
+from fuse_plugin.kernels.attention import AttentionConfig, attention_backward, attention_forward
 from fuse_plugin.kernels.call import AttentionCall
 
 OPS = torch.ops.fuse_plugin
@@ -102,19 +104,35 @@ class Timer:
 # --------------------------------------------------------------------------- the timed cases
 
 
-def ours(q, k, v, W, family, bench):
+def ours(q, k, v, W, family, bench, tiles=None):
     """Our launchers, causal with window W (0: none), `family` forced (None: the registry's
-    choice): {fwd, bwd ms, the families chosen}."""
+    choice), or `tiles` = (forward config, backward config) forced: {fwd, bwd ms, the families
+    chosen}."""
     kw = dict(is_causal=True, scale=q.shape[-1] ** -0.5, **({"window": W} if W else {}))
+    fc, bc = ({"config": t} for t in tiles) if tiles else ({}, {})
     with registry.forced(family):
-        out, lse = attention_forward(q, k, v, None, **kw)
+        out, lse = attention_forward(q, k, v, None, **kw, **fc)
         dout = torch.randn_like(out)
-        fwd = bench(lambda: attention_forward(q, k, v, None, **kw))
-        bwd = bench(lambda: attention_backward(dout, q, k, v, None, out, lse, need_dbias=False, **kw))
+        fwd = bench(lambda: attention_forward(q, k, v, None, **kw, **fc))
+        bwd = bench(lambda: attention_backward(dout, q, k, v, None, out, lse, need_dbias=False, **kw, **bc))
+        if tiles:
+            return {"fwd": fwd, "bwd": bwd, "family": "/".join(t.kernel for t in tiles)}
         fam_f = registry.choose(AttentionCall.forward(q, k, v, None, **kw))[0].name
         fam_b = registry.choose(AttentionCall.backward(dout, q, k, v, None, out, lse, need_dbias=False,
                                                        **kw))[0].name
     return {"fwd": fwd, "bwd": bwd, "family": f"{fam_f}/{fam_b}"}
+
+
+# --sweep: the Gluon kernels' variants on the window (name: (forward config, backward config)).
+SWEEP = {
+    "gluon-s2/x": (AttentionConfig(128, 128, 4, 2, False, "gluon"), AttentionConfig(64, 128, 8, 2, False, "gluon")),
+    "pingpong-s2/lpt": (AttentionConfig(128, 128, 4, 2, False, "gluon_pingpong"),
+                        AttentionConfig(64, 128, 8, 2, False, "gluon_lpt")),
+    "pingpong-s3/lpt": (AttentionConfig(128, 128, 4, 3, False, "gluon_pingpong"),
+                        AttentionConfig(64, 128, 8, 2, False, "gluon_lpt")),
+    "pingpong-n64s4/lpt": (AttentionConfig(128, 64, 4, 4, False, "gluon_pingpong"),
+                           AttentionConfig(64, 128, 8, 2, False, "gluon_lpt")),
+}
 
 
 def backend_of(fn) -> str:
@@ -156,7 +174,7 @@ def sdpa(q, k, v, mask, backends, bench, smoke):
     return res
 
 
-def problem(cfg, L, W, D, dtype, device, bench, smoke):
+def problem(cfg, L, W, D, dtype, device, bench, smoke, sweep=False):
     """Every case of one (config, L): {case: result or None}, printed as each finishes."""
     hq, hkv = CONFIGS[cfg]
     q = torch.randn(1, hq, L, D, device=device, dtype=dtype)
@@ -171,6 +189,10 @@ def problem(cfg, L, W, D, dtype, device, bench, smoke):
         "sdpa-band": lambda: sdpa(q, k, v, mask, BAND_BACKENDS, bench, smoke),
         "sdpa-causal": lambda: sdpa(q, k, v, None, CAUSAL_BACKENDS, bench, smoke),
     }
+    if sweep:
+        runs["causal-gluon"] = lambda: ours(q, k, v, 0, "gluon", bench)
+        for name, tiles in SWEEP.items():
+            runs[f"window {name}"] = lambda tiles=tiles: ours(q, k, v, W, None, bench, tiles)
     res = {}
     for case, run in runs.items():
         t0 = time.perf_counter()
@@ -239,6 +261,8 @@ def main():
     p.add_argument("--configs", default="mha,gqa", help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--repeats", type=int, default=2, help="do_bench medians per number (the best kept)")
     p.add_argument("--skip-check", action="store_true", help="no correctness check")
+    p.add_argument("--sweep", action="store_true",
+                   help="also: causal with the Gluon family forced, and the window with each of SWEEP's tiles")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes in Triton's interpreter on the CPU: the script runs end to end")
     p.add_argument("--json", default=None, help="write every number here")
@@ -283,7 +307,7 @@ def main():
     rows, musts = [], []
     for cfg in configs:
         for L in lengths:
-            res = problem(cfg, L, W, D, dtype, device, bench, args.cpu_smoke)
+            res = problem(cfg, L, W, D, dtype, device, bench, args.cpu_smoke, args.sweep)
             rows += [{"config": cfg, "Hq": CONFIGS[cfg][0], "Hkv": CONFIGS[cfg][1], "L": L, "W": W,
                       "case": case, **(r or {})} for case, r in res.items()]
             m = must(res, L, W)
