@@ -139,8 +139,8 @@ def why_not_gluon_platform(call) -> Optional[str]:
     """None when the Gluon forward can run here: sm_90 with the Triton its Gluon code is written
     for (its problems are the TMA kernels': see ``why_not_tma``)."""
     q, k = call.q, call.k
-    if not gluon_fwd.GLUON_AVAILABLE:
-        return gluon_fwd._GLUON_WHY_NOT
+    if not gluon_fwd.GLUON_AVAILABLE:  # (its why-not is None where a test switched Gluon off)
+        return gluon_fwd._GLUON_WHY_NOT or "the Gluon kernels are switched off"
     if not q.is_cuda or capability(q.device) != (9, 0):
         return "it runs on sm_90 (Hopper) only"
     if max(q.shape[2], k.shape[2]) >= 2**31:
