@@ -252,8 +252,11 @@ def window_section(data: dict) -> list[str]:
                   [[r["config"], r["L"], r["case"], r["family"], r["fwd_ms"], r["bwd_ms"],
                     f"{r['fwd_ms'] + r['bwd_ms']:.3f}"] for r in w["rows"]])
     out += ["", "The window's forward + backward over its area ideal, r x causal (the Must: <= 1.15):", ""]
-    out += _table(["config", "L", "r", "vs cuDNN's causal", "vs our general kernels' causal"],
-                  [[m["config"], m["L"], m["r"], m["vs_causal"], m["vs_general"]] for m in w["must"]])
+    gluon = any("vs_gluon" in m for m in w["must"])
+    out += _table(["config", "L", "r", "vs cuDNN's causal", "vs our general kernels' causal"]
+                  + (["vs the Gluon kernels' causal"] if gluon else []),
+                  [[m["config"], m["L"], m["r"], m["vs_causal"], m["vs_general"]]
+                   + ([m.get("vs_gluon", "-")] if gluon else []) for m in w["must"]])
     out += ["", f"**Whole model**: {e['model']} ({e['unit']}): sdpa+compile {e['sdpa+compile']}, plugin on the sdpa "
             f"path {e['plugin-sdpa']}, plugin on eager attention {e['fuse_plugin']}: "
             f"**{window_ratio(data):.2f}x** sdpa+compile."]

@@ -181,6 +181,42 @@ def test_gluon_window_matches_the_band_reference(monkeypatch, fwd, lq, lk, windo
         check_close(name, got.double(), ref, 1e-2)
 
 
+@pytest.mark.parametrize("window, d, want", [
+    (4096, 128, "gluon"),  # the measured range (stop 35, H100: 0.64-0.70x the general kernels' time)
+    (8192, 128, "gluon"),
+    (128, 128, "general"),  # narrower (gpt-oss's 128): not measured with the Gluon kernels
+    (4096, 64, "general"),  # another head dim: not measured
+])
+def test_gluon_takes_the_window_only_where_measured(monkeypatch, window, d, want):
+    """On an H100 with Triton 3.6 (its platform checks pretended here) the table's Gluon pick runs a
+    sliding window only in its measured range; elsewhere the general kernels keep it, as before;
+    chunks never (and a forced Gluon family says why)."""
+    from fuse_plugin.kernels import attention_hopper as hopper
+
+    monkeypatch.setattr(hopper, "why_not_tma", lambda call: None)
+    monkeypatch.setattr(hopper, "why_not_gluon_platform", lambda call: None)
+    monkeypatch.setattr(hopper, "why_not_gluon_bwd", lambda call, cfg: None)
+    q = torch.zeros(1, 4, 16384, d, device="meta", dtype=torch.bfloat16)
+    for direction, entry in (("fwd", AttentionConfig(128, 128, 4, 2, False, "gluon")),
+                             ("bwd", AttentionConfig(64, 128, 8, 2, False, "gluon_lpt"))):
+        monkeypatch.setattr(registry, "table_config", lambda *a, entry=entry: entry)
+        if direction == "fwd":
+            call = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.1, window=window)
+        else:
+            out = torch.zeros_like(q)
+            call = AttentionCall.backward(out, q, q, q, None, out, torch.zeros(q.shape[:3], device="meta"),
+                                          need_dbias=False, deterministic=False, is_causal=True, scale=0.1,
+                                          window=window)
+        family, _, why = registry.choose(call)
+        assert family.name == want, (direction, why)
+        if want == "general":
+            assert "not measured with the Gluon kernels" in registry.FAMILIES[direction]["gluon"].declines(call)
+    chunked = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.1, chunk=window)
+    assert registry.choose(chunked)[0].name == "general"
+    with registry.forced("gluon"), pytest.raises(registry.FamilyError, match="it takes no chunks"):
+        registry.choose(chunked)
+
+
 def test_window_area_and_flops():
     assert window_area(5, 5, 2) == int(band(5, 5, 2).sum())
     assert window_area(50, 30, 7) == int(band(50, 30, 7).sum())

@@ -260,6 +260,24 @@ def _gluon_band(call) -> Optional[str]:
     return None
 
 
+# The Gluon kernels took the sliding window where it was measured (stop 35, H100, bf16, benchmarks/
+# window.py): head dim 128, window 4096, 16k-32k keys, forward + backward 0.64-0.70x the general
+# kernels' time. A narrower window (gpt-oss's 128) or another head dim is not measured with them:
+# the general kernels keep it, as before.
+GLUON_WINDOW_MIN = 4096
+GLUON_WINDOW_HEAD_DIMS = (128,)
+
+
+def _gluon_window_declines(call) -> Optional[str]:
+    """Why the rule leaves the call's sliding window to the general kernels (None: it does not)."""
+    if not call.window:
+        return None
+    if call.window < GLUON_WINDOW_MIN or call.sizes[3] not in GLUON_WINDOW_HEAD_DIMS:
+        return (f"a sliding window under {GLUON_WINDOW_MIN} keys or at a head dim other than "
+                f"{GLUON_WINDOW_HEAD_DIMS[0]} is not measured with the Gluon kernels (the general kernels run it)")
+    return None
+
+
 def _gluon_window(call) -> Optional[str]:
     """Why not the call's sliding window (with Lq <= Lk only); asked after the TMA checks, which
     refuse symbolic lengths."""
@@ -281,7 +299,7 @@ class GluonForward(Family):
                 or attention_hopper.why_not_gluon_platform(call) or _gluon_window(call))
 
     def declines(self, call):
-        return _not_picked(call, GLUON_FWD_KERNELS, "a Gluon kernel")
+        return _not_picked(call, GLUON_FWD_KERNELS, "a Gluon kernel") or _gluon_window_declines(call)
 
     def config(self, call):
         entry = _entry(call)
@@ -308,7 +326,7 @@ class GluonBackward(Family):
                 or _gluon_window(call))
 
     def declines(self, call):
-        return _not_picked(call, GLUON_BWD_KERNELS, "a Gluon kernel")
+        return _not_picked(call, GLUON_BWD_KERNELS, "a Gluon kernel") or _gluon_window_declines(call)
 
     def config(self, call):
         entry = _entry(call)
