@@ -322,3 +322,12 @@ def test_a_band_site_is_timed_by_the_families_that_run_bands():
     assert choice.ours_time(only_cudnn, "fwd", band=True) is None
     assert choice.decide_from(only_cudnn, "fwd", "k", band=True).ours
     assert not choice.decide_sdpa_from(only_cudnn, "fwd", "k", band=True).ours
+    # the Gluon kernels run a window only in their measured range (registry.band_runners)
+    gluon = {"fwd": {"gluon": 5.0, "general": 30.0}, "bwd": {"gluon": 10.0, "general": 50.0}}
+    assert registry.band_runners("bwd", 4096, 0, False, 128) == {"gluon", "general", "two_kernel"}
+    for window, d, want in ((4096, 128, (15.0, "gluon + gluon")), (128, 128, (80.0, "general + general")),
+                            (4096, 64, (80.0, "general + general"))):
+        band = {x: registry.band_runners(x, window, 0, False, d) for x in ("fwd", "bwd")}
+        assert choice.ours_time(gluon, "train", band) == want
+    chunks = {x: registry.band_runners(x, 0, 4096, False, 128) for x in ("fwd", "bwd")}
+    assert choice.ours_time(gluon, "train", chunks) == (80.0, "general + general")

@@ -278,6 +278,16 @@ def _gluon_window_declines(call) -> Optional[str]:
     return None
 
 
+def band_runners(direction: str, window: int, chunk: int, documents: bool, head_dim: int) -> frozenset:
+    """The families of ``direction`` that run a band (a sliding window, chunks, documents) and take
+    it by their rules: those with ``takes_window``, the Gluon kernels only for a window in their
+    measured range (``_gluon_window_declines``). What the site choice times our op's band by."""
+    names = {name for name, f in FAMILIES[direction].items() if f.takes_window}
+    if chunk or documents or window < GLUON_WINDOW_MIN or head_dim not in GLUON_WINDOW_HEAD_DIMS:
+        names.discard("gluon")
+    return frozenset(names)
+
+
 def _gluon_window(call) -> Optional[str]:
     """Why not the call's sliding window (with Lq <= Lk only); asked after the TMA checks, which
     refuse symbolic lengths."""

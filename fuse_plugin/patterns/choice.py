@@ -110,15 +110,16 @@ def class_of(site) -> tuple[Optional[str], str, torch.device]:
     return key, "train" if needs_grad(site) else "fwd", qv.device
 
 
-def ours_time(times: dict, mode: str, band: bool = False) -> Optional[tuple[float, str]]:
+def ours_time(times: dict, mode: str, band=False) -> Optional[tuple[float, str]]:
     """(microseconds, families) of our op for a class: the forward's fastest family, and in
     training plus the backward's fastest (the launchers choose each direction on its own).
-    ``band``: the site has a sliding window, chunks or documents, which only some families run
-    (registry's ``takes_window``); the class is the causal one, and those families' causal time
+    ``band``: the site has a sliding window, chunks or documents, which only some families run:
+    True (those with registry's ``takes_window``) or {direction: the families that take this
+    band, registry.band_runners}; the class is the causal one, and those families' causal time
     is an upper bound of the band's (its key blocks are a subset)."""
     fwd, bwd = times.get("fwd", {}), times.get("bwd", {})
     if band:
-        fwd, bwd = _band_families(fwd, "fwd"), _band_families(bwd, "bwd")
+        fwd, bwd = _band_families(fwd, "fwd", band), _band_families(bwd, "bwd", band)
     if not fwd or (mode == "train" and not bwd):
         return None
     f_name = min(fwd, key=fwd.get)
@@ -128,15 +129,25 @@ def ours_time(times: dict, mode: str, band: bool = False) -> Optional[tuple[floa
     return fwd[f_name] + bwd[b_name], f"{f_name} + {b_name}"
 
 
-def _band_families(times: dict, direction: str) -> dict:
+def _band_families(times: dict, direction: str, band) -> dict:
     from ..kernels import registry
 
+    if isinstance(band, dict):
+        return {name: us for name, us in times.items() if name in band[direction]}
     return {name: us for name, us in times.items()
             if getattr(registry.FAMILIES[direction].get(name), "takes_window", False)}
 
 
-def _band(site) -> bool:
-    return bool(getattr(site, "window", 0) or getattr(site, "chunk", 0) or getattr(site, "documents", None) is not None)
+def _band(site):
+    """False without a band; else {direction: the families that take the site's band}."""
+    from ..kernels import registry
+
+    window, chunk = getattr(site, "window", 0), getattr(site, "chunk", 0)
+    documents = getattr(site, "documents", None) is not None
+    if not (window or chunk or documents):
+        return False
+    d = _hint(site.q.value().shape[-1])
+    return {direction: registry.band_runners(direction, window, chunk, documents, d) for direction in ("fwd", "bwd")}
 
 
 def decide(site) -> Decision:
