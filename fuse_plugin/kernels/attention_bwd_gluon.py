@@ -48,7 +48,9 @@ dQ atomics themselves (no writer warp) -10-20%, dS from the rounded P -7-15%, 3 
 pure LPT without L2 sections -25% on causal, dK/dV partial sums by atomics instead of a sum
 kernel -2-5%.
 
-Semantics: top-left causal (key j visible to query i iff j <= i), also for Lq != Lk; GQA with
+Semantics: top-left causal (key j visible to query i iff j <= i), also for Lq != Lk; a sliding
+window (``window`` > 0, Lq <= Lk: also i - window < j), each key block's program then visiting
+only the query blocks that see it; GQA with
 query head h -> kv head h // (Hq // Hkv); bf16 / fp16; D in {64, 128}; arbitrary strides with
 unit last stride and 16-byte aligned other strides.
 

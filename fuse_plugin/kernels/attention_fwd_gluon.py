@@ -21,7 +21,9 @@ hand (written against Triton 3.6's Gluon API):
 
 Shapes: q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D) (GQA: query head h reads kv head h // (Hq // Hkv)),
 bf16 / fp16, D in {64, 128}, any 16-byte aligned batch/head/sequence strides with unit last
-stride. Causal masking is top-left (query i sees keys j <= i, also for Lq != Lk). The tensors are
+stride. Causal masking is top-left (query i sees keys j <= i, also for Lq != Lk); with a sliding
+window (``window`` > 0, Lq <= Lk) query i sees keys i - window < j <= i, and a tile visits only the
+key blocks from its first row's window on (those at the window's lower edge masked). The tensors are
 addressed through 4-D TMA descriptors with [1, 1, rows, D] blocks, so a tile never reads or
 writes another head's rows: out-of-range rows read as zero and are clipped on store.
 

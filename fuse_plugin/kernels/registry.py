@@ -23,7 +23,7 @@ efficient   both   PyTorch's memory-efficient (CUTLASS) kernels through ATen
                    (attention_efficient.py): float biases read through their strides; taken
                    only where the choice table measured it fastest
 gluon       both   warp-specialised Hopper kernels (attention_hopper.py) where the tuning table
-                   picks them
+                   picks them; also a sliding window of >= 4096 keys at head dim 128 (measured)
 tma         both   TMA kernels (attention_hopper.py) where the tuning table picks them (forward:
                    also where a Gluon entry cannot run)
 tma_pair    bwd    the atomic-free pair with TMA tiles (attention_hopper.py), table-picked
