@@ -219,11 +219,37 @@ def rope_table(ns=(2048, 8192)):
 # --------------------------------------------------------------------------- the choice table
 
 
+_WARM_ONLY = False  # --warm: each implementation runs once (its kernels compile), nothing is timed
+
+
 def _device_ms(fn) -> float:
-    """Median device ms of fn under CUDA graphs (tune_choices.device_us)."""
+    """Median device ms of fn under CUDA graphs (tune_choices.device_us); with --warm one call."""
     from fuse_plugin.tune_choices import device_us
 
+    if _WARM_ONLY:
+        fn()
+        torch.cuda.synchronize()
+        return 1.0
     return device_us(fn) / 1e3
+
+
+def warm_prepass(n: int, rows: int, log=print) -> None:
+    """--prepass N: the table's rows in N slices, each run once (--warm) by its own process at the
+    same time, so that the kernels' compiles (Triton's and Inductor's on-disk caches) happen in
+    parallel before the timed pass, which then runs one process alone, as every timing here must."""
+    import subprocess
+    import sys
+
+    t0 = time.perf_counter()
+    bounds = [round(i * rows / n) for i in range(n + 1)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--choice", "--warm", "--rows", f"{a}:{b}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for a, b in zip(bounds, bounds[1:]) if b > a]
+    for p in procs:
+        _, err = p.communicate()
+        if p.returncode:
+            log(f"prepass {' '.join(p.args[-2:])}: rc {p.returncode}: {err.strip().splitlines()[-1:]}")
+    log(f"prepass: {len(procs)} processes, {time.perf_counter() - t0:.0f} s")
 
 
 def _choice_cases(quick_grid=True):
@@ -426,9 +452,18 @@ def main():
     parser.add_argument("--json", default=None, help="with --choice: every number as JSON")
     parser.add_argument("--rows", default=None, help="with --choice: a slice of its rows, START:STOP (one device "
                                                      "call each when the whole table does not fit one)")
+    parser.add_argument("--warm", action="store_true", help="with --choice: run every implementation once, time "
+                                                            "nothing (compiles only; no table)")
+    parser.add_argument("--prepass", type=int, default=0, metavar="N",
+                        help="with --choice: first N processes in parallel each --warm a slice of the rows")
     args = parser.parse_args()
     if args.choice:
         import json
+
+        global _WARM_ONLY
+        _WARM_ONLY = args.warm
+        if args.prepass:
+            warm_prepass(args.prepass, len(_choice_cases()))
 
         head = [f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
                 f"{time.strftime('%Y-%m-%d')} | device ms (CUDA graphs, median); bf16", ""]
@@ -437,6 +472,8 @@ def main():
             start, stop = (int(x) if x else None for x in args.rows.split(":"))
             cases = cases[start:stop]
         lines, data = choice_table(cases=cases)
+        if args.warm:
+            return
         emit(head + lines, args.out)
         if args.json:
             with open(args.json, "w") as f:
