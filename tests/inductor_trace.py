@@ -87,6 +87,7 @@ def summary(gm: fx.GraphModule) -> dict:
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     launches, opaque, cloned_inputs, direct_descriptor_reads, copies, cudnn, efficient = [], [], [], [], [], [], []
+    windows = []
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
@@ -110,6 +111,9 @@ def summary(gm: fx.GraphModule) -> dict:
                     cloned_inputs.append(f"{name}.{c}")
         elif str(n.target).startswith("fuse_plugin."):
             opaque.append(str(n.target))
+            if "gluon" in str(n.target):  # the sliding window it launches with (0: none)
+                i = [a.name for a in n.target._schema.arguments].index("window")
+                windows.append(n.kwargs.get("window", n.args[i] if len(n.args) > i else 0))
         elif "cudnn_attention" in str(n.target):  # kernels/attention_cudnn.py
             cudnn.append(str(n.target).split(".")[1])
         elif "efficient_attention" in str(n.target):  # kernels/attention_efficient.py
@@ -124,7 +128,7 @@ def summary(gm: fx.GraphModule) -> dict:
                      and a.target is torch.ops.aten.empty.memory_format]
     return dict(launches=launches, opaque=opaque, cloned_inputs=cloned_inputs,
                 empty_outputs=empty_outputs, direct_descriptor_reads=direct_descriptor_reads,
-                copies=copies, cudnn=cudnn, efficient=efficient)
+                copies=copies, cudnn=cudnn, efficient=efficient, gluon_windows=windows)
 
 
 def fake(mode, *shape, dtype=torch.bfloat16, device="cuda"):
@@ -495,7 +499,7 @@ def run_case(name: str) -> dict:
         if name == "deterministic":
             with mock.patch.object(torch, "are_deterministic_algorithms_enabled", lambda: True):
                 return summary(attention_case(1, 8, 2, 600, 64))
-        if name in ("gluon", "gluon_small"):
+        if name in ("gluon", "gluon_small", "gluon_window", "gluon_window_narrow"):
             # As on an H100 with Triton 3.6 (the platform checks pass), what is left is the traced
             # rule: a large problem keeps its Gluon kernels as opaque ops, a small one does not.
             from fuse_plugin.kernels import attention_hopper as hopper
@@ -506,10 +510,13 @@ def run_case(name: str) -> dict:
             def bwd(call, cfg):
                 return hopper.why_not_gluon_traced(call)
 
-            shape = (1, 16, 4, 4096, 128) if name == "gluon" else (2, 8, 2, 1024, 128)
+            shape = {"gluon": (1, 16, 4, 4096, 128), "gluon_small": (2, 8, 2, 1024, 128),
+                     "gluon_window": (1, 16, 4, 8192, 128), "gluon_window_narrow": (1, 16, 4, 8192, 128)}[name]
+            # a sliding window: in the Gluon kernels' measured range (4096), and narrower (512)
+            window = {"gluon_window": 4096, "gluon_window_narrow": 512}.get(name, 0)
             with mock.patch.object(hopper, "why_not_gluon_platform", fwd), \
                     mock.patch.object(hopper, "why_not_gluon_bwd", bwd):
-                return summary(attention_case(*shape, is_causal=True))
+                return summary(attention_case(*shape, is_causal=True, window=window))
         if name == "d64_n2000_cudagraphs":  # CUDA graphs replay without host time: TMA again
             from torch._inductor import config
 
@@ -559,7 +566,7 @@ if __name__ == "__main__":
 
     warnings.simplefilter("ignore") if "-v" not in sys.argv else None
     sys.argv = [a for a in sys.argv if a != "-v"]
-    names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small",
+    names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small", "gluon_window", "gluon_window_narrow",
                              "d64_n2000_cudagraphs", "chained_tma", "head_merge",
                              "head_merge_tma", "head_split_grads", "head_split_grads_atomic",
                              "untraceable", "shipped_table",

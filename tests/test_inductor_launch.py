@@ -241,6 +241,21 @@ def test_gluon_kernels_stay_one_opaque_op_each(traced):
     assert kernels(small) == [FWD, PRE, ATOMIC]
 
 
+def test_gluon_window_reaches_the_opaque_ops(traced):
+    """A sliding window in the Gluon kernels' measured range (4096 keys, head dim 128; an H100
+    with Triton 3.6 pretended) is passed to both opaque Gluon ops; a narrower one (512) runs the
+    general kernels as Inductor launches, as before stop 35."""
+    case = traced["gluon_window"]
+    assert "error" not in case, case.get("error")
+    assert case["launches"] == []
+    assert case["opaque"] == ["fuse_plugin.gluon_attention_forward.default",
+                              "fuse_plugin.gluon_attention_backward.default"]
+    assert case["gluon_windows"] == [4096, 4096]
+    narrow = traced["gluon_window_narrow"]
+    assert_fully_traced(narrow)
+    assert kernels(narrow) == [FWD, PRE, ATOMIC]
+
+
 def test_an_untraceable_launch_keeps_its_op_whole(traced):
     """A launch whose writes Inductor's analysis would get wrong makes its op stay opaque in that
     graph; the launches traced before it in the same op are dropped as dead code."""
