@@ -268,11 +268,13 @@ GLUON_WINDOW_MIN = 4096
 GLUON_WINDOW_HEAD_DIMS = (128,)
 
 
+def _gluon_window_measured(window: int, head_dim: int) -> bool:
+    return window >= GLUON_WINDOW_MIN and head_dim in GLUON_WINDOW_HEAD_DIMS
+
+
 def _gluon_window_declines(call) -> Optional[str]:
     """Why the rule leaves the call's sliding window to the general kernels (None: it does not)."""
-    if not call.window:
-        return None
-    if call.window < GLUON_WINDOW_MIN or call.sizes[3] not in GLUON_WINDOW_HEAD_DIMS:
+    if call.window and not _gluon_window_measured(call.window, call.sizes[3]):
         return (f"a sliding window under {GLUON_WINDOW_MIN} keys or at a head dim other than "
                 f"{GLUON_WINDOW_HEAD_DIMS[0]} is not measured with the Gluon kernels (the general kernels run it)")
     return None
@@ -281,9 +283,9 @@ def _gluon_window_declines(call) -> Optional[str]:
 def band_runners(direction: str, window: int, chunk: int, documents: bool, head_dim: int) -> frozenset:
     """The families of ``direction`` that run a band (a sliding window, chunks, documents) and take
     it by their rules: those with ``takes_window``, the Gluon kernels only for a window in their
-    measured range (``_gluon_window_declines``). What the site choice times our op's band by."""
+    measured range. What the site choice times our op's band by."""
     names = {name for name, f in FAMILIES[direction].items() if f.takes_window}
-    if chunk or documents or window < GLUON_WINDOW_MIN or head_dim not in GLUON_WINDOW_HEAD_DIMS:
+    if chunk or documents or not _gluon_window_measured(window, head_dim):
         names.discard("gluon")
     return frozenset(names)
 
