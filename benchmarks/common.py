@@ -170,3 +170,161 @@ def _host_lines(prof, n: int, top: int) -> list[str]:
     for k, (t, c) in sorted(total.items(), key=lambda kv: -kv[1][0]):
         lines.append(f"[host] total {t / n:8.1f} us x{c / n:<6.1f} {k} ({t / max(c, 1):.1f} us/call)")
     return lines
+
+
+# --------------------------------------------------------------------------------------------
+# Parallel builds, one timed row at a time (zoo.py --parallel, shapes.py --parallel)
+# --------------------------------------------------------------------------------------------
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA devices a worker may be put on (``CUDA_VISIBLE_DEVICES`` entries or indices); one
+    entry, or none without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    n = torch.cuda.device_count()
+    given = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return (given or [str(i) for i in range(n)])[:n]
+
+
+def wait_for_turn(prefix: str, reserved_gb: float) -> None:
+    """A worker's side of ``run_waves``: say ``<prefix>.built`` (with the GPU memory it holds), then
+    wait for ``<prefix>.go``; exit when the parent is gone (nobody would give the turn)."""
+    import json
+
+    parent = os.getppid()
+    with open(prefix + ".built", "w") as f:
+        json.dump({"reserved_gb": reserved_gb}, f)
+    while not os.path.exists(prefix + ".go"):
+        if os.getppid() != parent:
+            raise SystemExit(f"{prefix}: the parent exited before this row's turn")
+        time.sleep(0.1)
+    print(f"  timing from t = {time.time():.3f}", flush=True)
+
+
+def run_waves(order: list, argv_of, parallel: int, deadline: float, missing, progress=lambda done: None,
+              name=lambda row: " ".join(map(str, row))) -> dict:
+    """Rows in waves of at most ``parallel`` worker processes: a wave builds at once (each worker
+    compiles its row, then ``wait_for_turn``), then its rows time one at a time in ``order``, so no
+    two timing processes ever run side by side; the next wave starts when the last row exits.
+
+    ``argv_of(row, prefix)``: the worker's command line; the worker writes its result to
+    ``<prefix>.json``. ``deadline``: a ``time.perf_counter()`` value (inf: none); rows it cuts get
+    ``missing(row, why)``. ``progress(done)`` after each row (``done``: row -> result so far).
+    Workers are spread over the visible GPUs round-robin (``CUDA_VISIBLE_DEVICES``): on a machine
+    of several GPUs a wave builds on all of their memory and all cores, and each row still times
+    alone (its variants on one GPU); the row's result gets ``"gpu"``. Each worker gets its share
+    of the cores for Inductor's compile threads. Returns row -> result."""
+    import json
+    import subprocess
+    import tempfile
+
+    sync_dir = tempfile.mkdtemp(prefix="bench_waves_")
+    gpus = visible_gpus()
+    share = str(max(1, (os.cpu_count() or 1) // max(1, parallel)))
+    done: dict = {}
+
+    def finish(row, i, proc, why=None):
+        if why:
+            proc.kill()
+            proc.wait()
+        try:
+            with open(f"{sync_dir}/{i}.json") as f:
+                done[row] = json.load(f)
+        except (OSError, ValueError):
+            done[row] = missing(row, why or f"worker exit {proc.returncode}")
+        if isinstance(done[row], dict) and len(gpus) > 1:
+            done[row]["gpu"] = gpus[i % len(gpus)]
+        with open(f"{sync_dir}/{i}.log") as f:
+            print(f"--- row {name(row)} (exit {proc.returncode}) ---\n{f.read().rstrip()}", flush=True)
+        progress(done)
+
+    index = {row: i for i, row in enumerate(order)}
+    n = max(1, parallel)
+    for w, wave in enumerate(order[k:k + n] for k in range(0, len(order), n)):
+        t0 = time.perf_counter()
+        if t0 > deadline:
+            for row in wave:
+                done[row] = missing(row, "not built (--deadline)")
+            continue
+        procs = []
+        for row in wave:
+            i = index[row]
+            env = dict(os.environ)
+            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", share)
+            env.setdefault("OMP_NUM_THREADS", share)
+            if len(gpus) > 1:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            with open(f"{sync_dir}/{i}.log", "w") as log:
+                procs.append(subprocess.Popen(argv_of(row, f"{sync_dir}/{i}"), stdout=log,
+                                              stderr=subprocess.STDOUT, env=env))
+        print(f"wave {w + 1}: {len(wave)} rows building in parallel on {len(gpus) or 'no'} GPU(s) from "
+              f"t = {time.time():.3f} (logs in {sync_dir})", flush=True)
+        while not all(os.path.exists(f"{sync_dir}/{index[r]}.built") or p.poll() is not None
+                      for r, p in zip(wave, procs)):
+            if time.perf_counter() > deadline:
+                break
+            time.sleep(0.2)
+        reserved = 0.0
+        for row in wave:
+            try:
+                with open(f"{sync_dir}/{index[row]}.built") as f:
+                    reserved += json.load(f)["reserved_gb"]
+            except (OSError, ValueError):
+                pass
+        print(f"wave {w + 1}: all rows built in {time.perf_counter() - t0:.0f} s (t = {time.time():.3f}), "
+              f"{reserved:.1f} GB reserved by them while idle; timing one row at a time", flush=True)
+        for row, p in zip(wave, procs):
+            i = index[row]
+            if time.perf_counter() > deadline and p.poll() is None:
+                finish(row, i, p, "not built (--deadline)" if not os.path.exists(f"{sync_dir}/{i}.built")
+                       else "not timed (--deadline)")
+                continue
+            open(f"{sync_dir}/{i}.go", "w").close()
+            try:
+                p.wait(timeout=max(1.0, deadline - time.perf_counter()) if deadline != float("inf") else None)
+            except subprocess.TimeoutExpired:
+                finish(row, i, p, "not finished (--deadline)")
+                continue
+            print(f"row {name(row)} done at t = {time.time():.3f}", flush=True)
+            finish(row, i, p)
+    return done
+
+
+def prepass(argvs: list, n: int, deadline: float, log_dir: str | None = None) -> None:
+    """Run ``argvs`` (each a ``--rounds 0`` command: compile and warm up one cell) at most ``n`` at
+    a time, spread over the visible GPUs, each with cores / n compile threads; stop starting new
+    ones after ``deadline`` (a ``time.perf_counter()`` value) and end those still running there.
+    The timed pass after it compiles from Inductor's and Triton's caches, and a row's compile
+    no longer waits for its variants' compiles in series (zoo.py's critical path: Twins-SVT-S
+    training, three compiles of ~120 s each)."""
+    import subprocess
+    import tempfile
+
+    log_dir = log_dir or tempfile.mkdtemp(prefix="bench_prepass_")
+    gpus, share = visible_gpus(), str(max(1, (os.cpu_count() or 1) // max(1, n)))
+    t0, pending, running, failed, cut = time.perf_counter(), list(enumerate(argvs)), [], 0, 0
+    while pending or running:
+        for item in list(running):
+            if item[1].poll() is not None:
+                running.remove(item)
+                failed += item[1].returncode != 0
+        while pending and len(running) < max(1, n) and time.perf_counter() < deadline:
+            i, argv = pending.pop(0)
+            env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=share, OMP_NUM_THREADS=share)
+            if len(gpus) > 1:
+                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            with open(f"{log_dir}/{i}.log", "w") as log:
+                running.append((i, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)))
+        if time.perf_counter() >= deadline:
+            for _, p in running:
+                p.kill()
+                p.wait()
+            cut = len(running)
+            break
+        time.sleep(0.2)
+    print(f"pre-pass: {len(argvs) - len(pending) - cut} of {len(argvs)} cells compiled in "
+          f"{time.perf_counter() - t0:.0f} s ({failed} of them failed, {cut} cut by the limit; logs in {log_dir})",
+          flush=True)

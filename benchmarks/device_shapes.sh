@@ -1,31 +1,22 @@
 #!/usr/bin/env bash
-# One device call (one H100 or H200, < 10 min): rows of benchmarks/shapes.py (issue 28 Deliver 5).
-#   ROWS=llama-infer-fp32-8x512,llama-train-amp-8x512 bash benchmarks/device_shapes.sh
-# A parallel `--rounds 0` pre-pass (one process per row and mode) fills the compile caches, then one
-# process times every row (interleaved rounds, as shapes.py does). LAYERS (default 4), ROUNDS
-# (default 5), PRE_LIMIT / TIMED_LIMIT (s), VARIANTS (shapes.py's --variants, default its own),
-# MODES (default "default,reduce-overhead"). Writes $OUT/shapes.{md,log} (the table after every row);
-# prints the table last.
+# One device call (< 10 min): rows of benchmarks/shapes.py (issue 28's shapes table).
+#   bash benchmarks/device_shapes.sh                 (every row; ROWS=row,row,... for some)
+# shapes.py --parallel: a pre-pass compiles every (row, mode, variant) alone (PREPASS at a time,
+# default 16, for at most PREPASS_LIMIT s, default 240), then a process per row and mode builds
+# from the caches (PARALLEL at once, default 12) and the rows time one at a time (interleaved
+# rounds inside each row, as shapes.py does). On a machine of several GPUs the processes are
+# spread over them; each row still times alone. LAYERS (default 4), ROUNDS (default 5), DEADLINE
+# (s, default 540), VARIANTS (shapes.py's --variants, default its own), MODES (default
+# "default,reduce-overhead"). Writes $OUT/shapes.{md,log}; prints the table last.
 source "$(dirname "$0")/device_setup.sh"
-ROWS=${ROWS:?ROWS=row,row,...}
-L=${LAYERS:-4}
-MODES=${MODES:-default,reduce-overhead}
 V=()
 [ -n "${VARIANTS:-}" ] && V=(--variants "$VARIANTS")
+[ -n "${ROWS:-}" ] && V+=(--rows "$ROWS")
 start=$(date +%s)
-for row in ${ROWS//,/ }; do
-  for mode in ${MODES//,/ }; do
-    ( cd benchmarks && timeout ${PRE_LIMIT:-300} python3 shapes.py --layers $L --rows $row --modes $mode \
-        "${V[@]}" --rounds 0 --no-overhead > "$OUT/pre_${row}_$mode.log" 2>&1 ) &
-  done
-done
-wait
-echo "pre-pass $(( $(date +%s) - start )) s"
-start=$(date +%s)
-( cd benchmarks && timeout ${TIMED_LIMIT:-300} python3 shapes.py --layers $L --rows "$ROWS" --rounds ${ROUNDS:-5} \
-    --modes "$MODES" "${V[@]}" \
-    --no-overhead --out "$OUT/shapes.md" > "$OUT/shapes.log" 2>&1 )
+( cd benchmarks && python3 shapes.py --layers ${LAYERS:-4} --rounds ${ROUNDS:-5} --modes "${MODES:-default,reduce-overhead}" \
+    "${V[@]}" --parallel ${PARALLEL:-12} --prepass ${PREPASS:-16} --prepass-limit ${PREPASS_LIMIT:-240} \
+    --deadline ${DEADLINE:-540} --no-overhead --out "$OUT/shapes.md" > "$OUT/shapes.log" 2>&1 )
 echo "shapes.py rc=$? in $(( $(date +%s) - start )) s"
-grep -hE "Traceback|Error" "$OUT"/pre_*.log "$OUT/shapes.log" | cut -c1-200 | head -5
-rm -f "$OUT"/pre_*.log
+grep -E "pre-pass:|wave .*built" "$OUT/shapes.log"
+grep -hE "Traceback|Error" "$OUT/shapes.log" | cut -c1-200 | head -5
 cat "$OUT/shapes.md" 2>/dev/null || tail -30 "$OUT/shapes.log"

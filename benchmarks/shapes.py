@@ -53,11 +53,14 @@ import argparse
 import contextlib
 import copy
 import gc
+import json
+import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
-from common import emit, paired_median, profile_steps, round_order, timed_run
+from common import emit, paired_median, prepass, profile_steps, round_order, run_waves, timed_run, wait_for_turn
 from torch import nn
 
 import fuse_plugin
@@ -266,11 +269,12 @@ def _free():
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()
 
 
-def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0):
+def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0, before_timing=lambda: None):
     """One row in one mode, every variant in this process: each variant gets its own model and
     compile (3 warm-up steps), then `rounds` rounds in which each variant runs `steps` timed steps
     in turn, so that the host's drift over minutes falls on all variants alike. A cell is the
-    median (and the best) of its variant's rounds."""
+    median (and the best) of its variant's rounds. ``before_timing``: called once every variant
+    is built (--parallel's worker waits there for its turn)."""
     family, kind, batch, seq = ROWS[name]
     precision = PRECISION.get(name, "bf16")
     items = batch if family == "vit" else batch * seq
@@ -286,6 +290,7 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
                     step()
             torch.cuda.synchronize()
             steps_of[variant] = (step, model, fn, opt)
+            torch.cuda.empty_cache()  # a built variant holds its model, not its warm-up's activations
         except torch.OutOfMemoryError:
             results[(name, mode, variant)] = "OOM"
         except Exception as e:  # reported in the table, the other cells still run
@@ -294,6 +299,7 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
             traceback.print_exc()
             results[(name, mode, variant)] = f"error: {type(e).__name__}"
     compiled_s = time.perf_counter() - t0
+    before_timing()
     if rounds == 0:  # --rounds 0: compile and warm up only (fills Inductor's and Triton's caches)
         log(f"  {name:20} {mode:16} compiled and warmed up: {', '.join(steps_of)}   ({compiled_s:.0f} s)")
         return
@@ -356,6 +362,54 @@ def report(header, results, rows, modes, variants) -> list[str]:
     return lines + [""] + table(results, rows, modes, variants)
 
 
+def worker_argv(args, name, mode, prefix, variants=None) -> list[str]:
+    """One row and mode's command line for --parallel (``prefix``: its run_waves files), or with
+    ``prefix`` None a ``--rounds 0`` run of ``variants`` (the pre-pass)."""
+    argv = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--rows", name, "--modes", mode,
+            "--variants", ",".join(variants or args.variants.split(",")), "--steps", str(args.steps), "--rounds",
+            str(args.rounds if prefix else 0), "--profile", str(args.profile if prefix else 0), "--no-overhead"]
+    return argv + (["--worker", prefix] if prefix else [])
+
+
+def run_worker(args, variants) -> None:
+    """--parallel's row: build every variant, wait for the turn, time, write the results as JSON."""
+    results = {}
+
+    def turn():
+        wait_for_turn(args.worker, torch.cuda.memory_reserved() / 2**30)
+
+    run_row(args.rows, args.modes, variants, args.layers, args.steps, args.rounds, results,
+            lambda s: print(s, flush=True), args.profile, before_timing=turn)
+    if hasattr(vit, "source"):  # the parent's report names the ViT's source
+        results[("vit-source",)] = vit.source
+    with open(args.worker + ".json", "w") as f:
+        json.dump([[list(key), value] for key, value in results.items()], f)
+
+
+def run_parallel(args, rows, modes, variants, report_partial) -> dict:
+    """--parallel N: a process per row and mode (default mode first), built N at a time and timed
+    one at a time (common.run_waves), after a --prepass of every (row, mode, variant) alone."""
+    order = [(name, mode) for mode in modes for name in rows]
+    t0 = time.perf_counter()
+    deadline = t0 + args.deadline if args.deadline else float("inf")
+    if args.prepass:
+        prepass([worker_argv(args, name, mode, None, [v]) for name, mode in order for v in variants], args.prepass,
+                min(deadline, t0 + args.prepass_limit))
+    results = {}
+
+    def progress(done):
+        for row in done.values():
+            results.update((tuple(key), value) for key, value in (row if isinstance(row, list) else []))
+        if ("vit-source",) in results:
+            vit.source = results.pop(("vit-source",))
+        report_partial(results)
+
+    done = run_waves(order, lambda row, prefix: worker_argv(args, *row, prefix), args.parallel, deadline,
+                     lambda row, why: [[[*row, v], why] for v in variants], progress)
+    progress(done)
+    return results
+
+
 def main(argv=None):
     import transformers
 
@@ -371,6 +425,14 @@ def main(argv=None):
     parser.add_argument("--no-overhead", action="store_true", help="skip the host-time table")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the timed rounds, profile N steps of each variant (see above)")
+    parser.add_argument("--parallel", type=int, default=0, metavar="N",
+                        help="a process per row and mode, N building at once, timed one at a time")
+    parser.add_argument("--prepass", type=int, default=0, metavar="N",
+                        help="--parallel: first compile every (row, mode, variant) alone, N at a time")
+    parser.add_argument("--prepass-limit", type=float, default=240, metavar="S")
+    parser.add_argument("--deadline", type=float, default=0, metavar="S",
+                        help="--parallel: rows not done S seconds after the start are reported as such")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # --parallel's rows: a file prefix
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
@@ -384,10 +446,15 @@ def main(argv=None):
               f"{transformers.__version__} | {time.strftime('%Y-%m-%d')} | bf16 (rows -fp32-: "
               f"fp32, -amp-: fp32 weights + bf16 autocast) | Llama {args.layers} layers | median (best) of "
               f"{args.rounds} interleaved runs of {args.steps} steps")
+    if args.worker:
+        return run_worker(args, variants)
     print(header, flush=True)
     results = {}
     t_start = time.perf_counter()
-    for name in rows:
+    if args.parallel:
+        results = run_parallel(args, rows, modes, variants, lambda res: emit(
+            report(header, res, rows, modes, variants) + ["", "(partial)"], args.out, quiet=True) if args.out else None)
+    for name in rows if not args.parallel else ():
         for mode in modes:
             run_row(name, mode, variants, args.layers, args.steps, args.rounds, results,
                     lambda s: print(s, flush=True), args.profile)

@@ -98,7 +98,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import emit, paired_median, profile_steps, round_order, timed_run
+from common import (emit, paired_median, prepass, profile_steps, round_order, run_waves, timed_run,
+                    wait_for_turn)
 from torch import nn
 
 VARIANTS = ("compile", "fused+compile", "plugin")
@@ -267,12 +268,6 @@ def build_order(rows) -> list[tuple[str, str, str]]:
     table's order."""
     return sorted(rows, key=lambda r: (MODES.index(r[2]) if r[2] in MODES else len(MODES),
                                        TASKS.index(r[1]) if r[1] in TASKS else len(TASKS), rows.index(r)))
-
-
-def waves(order, n: int) -> list[list]:
-    """The rows of ``--parallel n`` in consecutive waves of at most n."""
-    n = max(1, n)
-    return [order[i:i + n] for i in range(0, len(order), n)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -611,105 +606,46 @@ def write_outputs(header, rows, variants, args, quiet=True, footer=()):
 # --------------------------------------------------------------------------------------------
 
 
-def worker_argv(args, row, prefix) -> list[str]:
+def worker_argv(args, row, prefix, variants=None) -> list[str]:
+    """The command line of one row's worker (``prefix``: run_waves'), or with ``prefix`` None of a
+    ``--rounds 0`` run of ``variants`` (the pre-pass)."""
     model, task, mode = row
     argv = [sys.executable, os.path.abspath(__file__), "--models", model, "--tasks", task, "--modes", mode,
-            "--variants", ",".join(args.variants), "--batch", str(args.batch), "--steps", str(args.steps),
-            "--rounds", str(args.rounds), "--profile", str(args.profile), "--worker", prefix]
-    return argv + (["--cpu"] if args.device == "cpu" else [])
+            "--variants", ",".join(variants or args.variants), "--batch", str(args.batch), "--steps",
+            str(args.steps), "--rounds", str(args.rounds if prefix else 0), "--profile",
+            str(args.profile if prefix else 0)]
+    return argv + (["--worker", prefix] if prefix else []) + (["--cpu"] if args.device == "cpu" else [])
 
 
 def run_worker(args) -> None:
-    """One row of ``--parallel``: build, write ``<prefix>.built``, wait for ``<prefix>.go``, time,
-    write the row to ``<prefix>.json``."""
+    """One row of ``--parallel``: build, wait for its turn (common.wait_for_turn), time, write the
+    row to ``<prefix>.json``."""
     (model, task, mode), = rows_of(args.models, args.tasks, args.modes)
-    prefix, parent = args.worker, os.getppid()
 
-    def wait_for_turn():
-        with open(prefix + ".built", "w") as f:
-            json.dump({"reserved_gb": torch.cuda.memory_reserved() / 2**30 if args.device == "cuda" else 0.0}, f)
-        while not os.path.exists(prefix + ".go"):
-            if os.getppid() != parent:  # the parent is gone: nobody will give this row its turn
-                raise SystemExit(f"zoo.py --parallel: the parent of row {model} {task} {mode} exited")
-            time.sleep(0.1)
-        print(f"  timing from t = {time.time():.3f}", flush=True)
+    def turn():
+        wait_for_turn(args.worker, torch.cuda.memory_reserved() / 2**30 if args.device == "cuda" else 0.0)
 
-    row = run_row(model, task, mode, args, lambda s: print(s, flush=True), before_timing=wait_for_turn)
-    with open(prefix + ".json", "w") as f:
+    row = run_row(model, task, mode, args, lambda s: print(s, flush=True), before_timing=turn)
+    with open(args.worker + ".json", "w") as f:
         json.dump(row, f)
 
 
 def run_parallel(args, header, t_start) -> list[dict]:
-    """``--parallel N`` (module doc): waves of at most N row processes; a wave builds at once, then
-    its rows time one at a time in build_order; the next wave starts when the last row exits."""
-    import subprocess
-    import tempfile
-
+    """``--parallel N`` (module doc): common.run_waves over the rows in build_order."""
     rows = rows_of(args.models, args.tasks, args.modes)
-    order = build_order(rows)
-    sync_dir = tempfile.mkdtemp(prefix="zoo_parallel_")
-    env = dict(os.environ)
-    share = str(max(1, (os.cpu_count() or 1) // args.parallel))  # each worker's share of the cores
-    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", share)
-    env.setdefault("OMP_NUM_THREADS", share)
-    done: dict = {}
-    deadline = t_start + args.deadline if args.deadline else float("inf")
 
-    def finish(row, i, proc, why=None):
-        if why:
-            proc.kill()
-            proc.wait()
-        try:
-            with open(f"{sync_dir}/{i}.json") as f:
-                done[row] = json.load(f)
-        except (OSError, ValueError):
-            done[row] = {"model": row[0], "task": row[1], "mode": row[2], "variants": {},
-                         "error": why or f"worker exit {proc.returncode}"}
-        with open(f"{sync_dir}/{i}.log") as f:
-            print(f"--- row {' '.join(row)} (exit {proc.returncode}) ---\n{f.read().rstrip()}", flush=True)
-        partial = [done[r] for r in rows if r in done]
-        write_outputs(header, partial, args.variants, args, footer=["", "(partial)"])
+    def missing(row, why):
+        return {"model": row[0], "task": row[1], "mode": row[2], "variants": {}, "error": why}
 
-    index = {row: i for i, row in enumerate(order)}
-    for w, wave in enumerate(waves(order, args.parallel)):
-        if time.perf_counter() > deadline:
-            for row in wave:
-                done[row] = {"model": row[0], "task": row[1], "mode": row[2], "variants": {},
-                             "error": "not built (--deadline)"}
-            continue
-        procs, t_wave = [], time.time()
-        for row in wave:
-            i = index[row]
-            log = open(f"{sync_dir}/{i}.log", "w")
-            procs.append(subprocess.Popen(worker_argv(args, row, f"{sync_dir}/{i}"), stdout=log,
-                                          stderr=subprocess.STDOUT, env=env))
-        print(f"wave {w + 1}: {len(wave)} rows building in parallel from t = {t_wave:.3f} (logs in {sync_dir})",
-              flush=True)
-        while not all(os.path.exists(f"{sync_dir}/{index[r]}.built") or p.poll() is not None
-                      for r, p in zip(wave, procs)):
-            if time.perf_counter() > deadline:
-                break
-            time.sleep(0.2)
-        reserved = 0.0
-        for row in wave:
-            with contextlib.suppress(OSError, ValueError), open(f"{sync_dir}/{index[row]}.built") as f:
-                reserved += json.load(f)["reserved_gb"]
-        print(f"wave {w + 1}: all rows built after {time.perf_counter() - t_start:.0f} s (t = {time.time():.3f}), "
-              f"{reserved:.1f} GB reserved by them while idle; timing one row at a time", flush=True)
-        for row, p in zip(wave, procs):
-            i = index[row]
-            if time.perf_counter() > deadline and p.poll() is None:
-                finish(row, i, p, "not built (--deadline)" if not os.path.exists(f"{sync_dir}/{i}.built")
-                       else "not timed (--deadline)")
-                continue
-            open(f"{sync_dir}/{i}.go", "w").close()
-            try:
-                p.wait(timeout=max(1.0, deadline - time.perf_counter()) if args.deadline else None)
-            except subprocess.TimeoutExpired:
-                finish(row, i, p, "not finished (--deadline)")
-                continue
-            print(f"row {' '.join(row)} done at t = {time.time():.3f}", flush=True)
-            finish(row, i, p)
+    def progress(done):
+        write_outputs(header, [done[r] for r in rows if r in done], args.variants, args, footer=["", "(partial)"])
+
+    if args.prepass:  # every (row, variant) compiled alone first: the rows then build from the caches
+        cells = [(row, v) for row in build_order(rows) for v in args.variants]
+        prepass([worker_argv(args, row, None, [v]) for row, v in cells], args.prepass,
+                time.perf_counter() + args.prepass_limit)
+    done = run_waves(build_order(rows), lambda row, prefix: worker_argv(args, row, prefix), args.parallel,
+                     t_start + args.deadline if args.deadline else float("inf"), missing, progress)
     return [done[r] for r in rows]
 
 
@@ -728,6 +664,10 @@ def parse(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
     parser.add_argument("--rounds", type=int, default=5,
                         help="interleaved timed runs per variant (0: compile and warm up only)")
+    parser.add_argument("--prepass", type=int, default=0, metavar="N",
+                        help="--parallel: first compile every (row, variant) alone, N processes at a time")
+    parser.add_argument("--prepass-limit", type=float, default=240, metavar="S",
+                        help="--prepass: end the pre-pass after S seconds")
     parser.add_argument("--parallel", type=int, default=0, metavar="N",
                         help="a process per row, at most N at once (module doc)")
     parser.add_argument("--deadline", type=float, default=0, metavar="S",

@@ -38,8 +38,6 @@ def test_models_and_rows():
     assert [r[1] for r in order[:4]] == ["infer", "infer", "train", "train"]
     assert order[0] == ("vit_s16", "infer", "default") and order[1] == ("swin_t", "infer", "default")
     assert sorted(order) == sorted(rows)
-    assert zoo.waves(order, 3) == [order[:3], order[3:6], order[6:]]
-    assert zoo.waves(order, 0) == [[r] for r in order]
 
 
 def test_flags():
