@@ -444,9 +444,10 @@ def _zoo_headline(data: dict) -> list[str]:
     p = z["provenance"]
     modes = sorted({r["mode"] for r in z["results"]["rows"]})
     rows = [(f"{r['model']} {r['task']}" + (" (CUDA graphs)" if len(modes) > 1 and r["mode"] != "default" else ""),
-             zoo_ratio(r)) for r in z["results"]["rows"]]
-    rows = [(n, x) for n, x in rows if x is not None]
-    below = ", ".join(f"{n} {x:.3f}" for n, x in rows if x < 1.0)
+             zoo_ratio(r), r.get("plugin_vs_best_paired")) for r in z["results"]["rows"]]
+    rows = [(n, x, paired) for n, x, paired in rows if x is not None]
+    below = ", ".join(f"{n} {x:.3f}" + (f" (paired {paired:.2f})" if paired else "") for n, x, paired in rows if x < 1.0)
+    rows = [(n, x) for n, x, _ in rows]
     return [f"* **timm zoo** (10 models with their hand-written attention, batch 64, on one {p['gpu']}; "
             f"{' and '.join(modes)} mode{'s' if len(modes) > 1 else ''}): {sum(x >= 1.0 for _, x in rows)} of {len(rows)} rows at or above "
             f"the better of stock compile and timm's fused path, {_range(x for _, x in rows)}x"
@@ -465,10 +466,14 @@ def headlines(data: dict) -> str:
     sp, ep, gp, ap = (data["shapes"]["provenance"], data["e2e"]["provenance"], data["generate"]["provenance"],
                       data["kernels"]["attention"]["provenance"])
     link = "benchmarks/RESULTS.md#current-results"
+
+    def on(p):  # a line measured on another GPU than the first line's says so
+        return f", on one {p['gpu']}" if p.get("gpu") != ep.get("gpu") else ""
+
     lines = [
-        f"Measured on one {sp['gpu']}, bf16, torch {sp['torch']}, Triton {sp['triton']}, transformers "
-        f"{sp['transformers']}; \"stock\" is `torch.compile` of the same model, with its eager attention "
-        "or with the model's SDPA path (`sdpa + compile`), whichever is faster.",
+        f"Measured on one {ep['gpu']} unless a line says otherwise, bf16, torch {sp['torch']}, Triton "
+        f"{sp['triton']}, transformers {sp['transformers']}; \"stock\" is `torch.compile` of the same model, "
+        "with its eager attention or with the model's SDPA path (`sdpa + compile`), whichever is faster.",
         "",
         f"* **Long context**: a 12-layer Llama (248M parameters) at 8k tokens trains {med['train']:.2f}x and infers "
         f"{med['infer']:.2f}x as fast as sdpa + compile (median of {len(e2e_rows)} runs; "
@@ -478,12 +483,12 @@ def headlines(data: dict) -> str:
         f"window kernels skip the blocks the window hides ({data['window']['provenance']['stop']}, "
         f"{data['window']['provenance']['date']}).",
         f"* **Whole models** (4-layer Llama training and inference at 128-8k tokens, ViT-S/16, BERT-base with "
-        f"padding; default and CUDA-graph modes): {sum(x >= 1.0 for x in shapes)} of {len(shapes)} rows at or "
+        f"padding; default and CUDA-graph modes{on(sp)}): {sum(x >= 1.0 for x in shapes)} of {len(shapes)} rows at or "
         f"above the best stock variant, {_range(shapes)}x ({sp['stop']}, {sp['date']}).",
-        f"* **Generation** (HF `generate`, static cache, 8 model x prompt x batch rows): decode "
+        f"* **Generation** (HF `generate`, static cache, 8 model x prompt x batch rows{on(gp)}): decode "
         f"{_range(dflt)}x the best stock compile in default mode, {_range(cg)}x under CUDA graphs, where "
         f"the small rows are bound by HF's host work ({gp['stop']}, {gp['date']}).",
-        f"* **Kernels**: bf16 attention, head dim 128, causal, 4k tokens: {att['ours'][0]} / {att['ours'][1]} "
+        f"* **Kernels**{on(ap).replace(', on', ' (on', 1) + ')' if on(ap) else ''}: bf16 attention, head dim 128, causal, 4k tokens: {att['ours'][0]} / {att['ours'][1]} "
         f"TFLOP/s forward / backward, against FlashAttention-2's {att['flash'][0]} / {att['flash'][1]} and "
         f"cuDNN's {att['cudnn'][0]} / {att['cudnn'][1]} ({ap['stop']}, {ap['date']}).",
     ] + _sdpa_headline(data) + _zoo_headline(data) + [

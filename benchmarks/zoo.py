@@ -69,17 +69,16 @@ compiles and warms up only (fills Inductor's and Triton's caches). ``--merge`` p
 from several ``--json`` files (a row given again, a rerun of rows a deadline cut, replaces the
 earlier one).
 
-Time plan (an H100 host of 16 cores, commands of at most 10 minutes): the zoo is 40 rows and 116
-compiles (LeViT has no fused+compile), too many for one command: run it as two, ``--modes
-default`` and ``--modes reduce-overhead``, each ``--parallel 20 --deadline 540``, then ``--merge``.
-Measured (torch 2.11, timm 1.0.29, cold caches): the 20 default-mode rows built in 362 s, the GPU
-at most 38 GB used (nvidia-smi) while they built, 24 GB with all of them built and idle. A wave
-takes as long as its slowest row's three compiles in series, each one core's work (Twins-SVT-S
-training 352 s of wall and 345 s of CPU, Swin-T and XCiT-nano training ~305 s), while the load
-average peaked at 15 after ~100 s and fell under 8 by ~230 s (19 rows: 2.8k CPU seconds in all).
-A row then timed in 4-14 s. The reduce-overhead command compiles every graph again (the mode is a
-compile option) but, on the same machine, finds the Triton kernels in the cache; not measured as
-a whole (spot checks: ViT-S and LeViT rows built in 20-60 s each).
+Time plan: add ``--prepass N`` (common.prepass): every (row, variant) compiles alone first, N at a
+time, so a row's three compiles no longer run in series (the critical path was Twins-SVT-S
+training, ~120 s a compile), and the rows then build from Inductor's and Triton's caches. On a
+machine of several GPUs (common.run_waves) the builds spread over them and their cores, and each
+row still times alone. Measured (stop 36, an nvidia-h200-x2 machine: 2 GPUs, 32 cores, cold
+caches): ``--modes default --parallel 20 --prepass 32 --prepass-limit 200`` built the 20 rows in
+200 + 237 s and timed them in ~115 s; ``--modes reduce-overhead`` right after it on the same machine
+took 155 + 39 + 75 s. Without the pre-pass, on an H100 host of 16 cores, the 20 default-mode rows
+built in 362 s (20 processes at once, the GPU at most 38 GB) and a whole mode did not fit one
+command (stop 27).
 
 ``--cpu --tiny``: the CPU in fp32, batch 2, 1 round of 1 step, default mode; ``--models tiny`` is a
 two-block plain-torch ViT written like timm's Attention (32 px, no timm needed). A check that the

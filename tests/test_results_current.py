@@ -29,7 +29,7 @@ def test_results_and_readme_match_the_json(data):
 
 def test_check_sees_a_drifted_number(data):
     results = current.RESULTS.read_text()
-    drifted = results.replace("| llama-train-1x8192 | default | 159017 (159238)", "| llama-train-1x8192 | default | 159018 (159238)", 1)
+    drifted = results.replace("| llama-train-1x8192 | default | 189198 (189258)", "| llama-train-1x8192 | default | 189199 (189258)", 1)
     assert drifted != results
     problems = current.check(data, {current.RESULTS: drifted})
     assert len(problems) == 1 and "RESULTS.md" in problems[0]
@@ -94,17 +94,19 @@ def test_readme_front_door():
 def test_chart_bars(data):
     bars = chart.series(data)
     shapes = [b for b in bars if b["group"].startswith("Whole models")]
-    assert len(shapes) == len(data["shapes"]["rows"]) == 24  # stop 20's 20, stop 28's fp32 and autocast rows
+    assert len(shapes) == len(data["shapes"]["rows"]) == 24  # 12 rows x 2 modes, one run (stop 36)
     assert {b["mode"] for b in shapes} == {"default", "reduce-overhead"}
     # every row at or above the best stock variant but fp32 inference, whose sites the choice leaves to
-    # Inductor (stock compile's own graph: 0.998x it; sdpa + compile 0.7% faster, stop 28)
+    # Inductor (0.997-0.998x sdpa + compile), and autocast training in default mode (0.98, paired 0.97:
+    # host-bound; 1.04 under CUDA graphs), stop 36
     below = {(b["label"], b["mode"]) for b in shapes if b["ratio"] < 1.0}
-    assert below <= {("llama-infer-fp32-8x512", "default"), ("llama-infer-fp32-8x512", "reduce-overhead")}, below
-    assert min(b["ratio"] for b in shapes) >= 0.98
+    assert below <= {("llama-infer-fp32-8x512", "default"), ("llama-infer-fp32-8x512", "reduce-overhead"),
+                     ("llama-train-amp-8x512", "default")}, below
+    assert min(b["ratio"] for b in shapes) >= 0.975
     long = [b for b in bars if b["group"].startswith("Long context")]
     assert [round(b["ratio"], 2) for b in long] == [round(current.e2e_median(data)[t], 2) for t in ("train", "infer")]
     zoo = [b for b in bars if b["group"].startswith("timm zoo")]
-    assert len(zoo) == len(data["zoo"]["results"]["rows"]) == 40  # stops 27-28: 20 default rows, 20 under CUDA graphs
+    assert len(zoo) == len(data["zoo"]["results"]["rows"]) == 40  # 20 default rows, 20 under CUDA graphs (stop 36: one run)
     assert data["zoo"]["provenance"]["gpu"] in zoo[0]["group"]  # not the shapes' GPU: said in the heading
 
 
