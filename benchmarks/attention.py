@@ -36,7 +36,7 @@ import contextlib
 import time
 
 import torch
-from common import emit
+from common import emit, prepass
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -233,23 +233,16 @@ def _device_ms(fn) -> float:
     return device_us(fn) / 1e3
 
 
-def warm_prepass(n: int, rows: int, log=print) -> None:
+def warm_prepass(n: int, rows: int, limit: float = 300) -> None:
     """--prepass N: the table's rows in N slices, each run once (--warm) by its own process at the
-    same time, so that the kernels' compiles (Triton's and Inductor's on-disk caches) happen in
-    parallel before the timed pass, which then runs one process alone, as every timing here must."""
-    import subprocess
+    same time (common.prepass: spread over the visible GPUs, cores / N compile threads each), so
+    that the kernels' compiles (Triton's and Inductor's on-disk caches) happen in parallel before
+    the timed pass, which then runs one process alone, as every timing here must."""
     import sys
 
-    t0 = time.perf_counter()
     bounds = [round(i * rows / n) for i in range(n + 1)]
-    procs = [subprocess.Popen([sys.executable, __file__, "--choice", "--warm", "--rows", f"{a}:{b}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for a, b in zip(bounds, bounds[1:]) if b > a]
-    for p in procs:
-        _, err = p.communicate()
-        if p.returncode:
-            log(f"prepass {' '.join(p.args[-2:])}: rc {p.returncode}: {err.strip().splitlines()[-1:]}")
-    log(f"prepass: {len(procs)} processes, {time.perf_counter() - t0:.0f} s")
+    prepass([[sys.executable, __file__, "--choice", "--warm", "--rows", f"{a}:{b}"]
+             for a, b in zip(bounds, bounds[1:]) if b > a], n, time.perf_counter() + limit)
 
 
 def _choice_cases(quick_grid=True):
@@ -456,6 +449,8 @@ def main():
                                                             "nothing (compiles only; no table)")
     parser.add_argument("--prepass", type=int, default=0, metavar="N",
                         help="with --choice: first N processes in parallel each --warm a slice of the rows")
+    parser.add_argument("--prepass-limit", type=float, default=300, metavar="S",
+                        help="--prepass: end the pre-pass after S seconds")
     args = parser.parse_args()
     if args.choice:
         import json
@@ -463,7 +458,7 @@ def main():
         global _WARM_ONLY
         _WARM_ONLY = args.warm
         if args.prepass:
-            warm_prepass(args.prepass, len(_choice_cases()))
+            warm_prepass(args.prepass, len(_choice_cases()), args.prepass_limit)
 
         head = [f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
                 f"{time.strftime('%Y-%m-%d')} | device ms (CUDA graphs, median); bf16", ""]

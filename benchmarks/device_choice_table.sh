@@ -14,10 +14,11 @@ if [ -n "${TUNE:-}" ]; then  # classes (comma-separated) measured into the table
 fi
 start=$(date +%s)
 # ROWS=START:STOP: a slice of the table's rows (the whole table took three calls at stop 28).
-# PREPASS=N: N processes compile the rows' kernels in parallel first (attention.py --prepass), so
-# that the timed pass (one process) may fit the whole table in one call; not yet run on a GPU.
+# PREPASS=N: N processes compile the rows' kernels in parallel first (attention.py --prepass, spread
+# over the machine's GPUs; PREPASS_LIMIT s, default 300), so that the timed pass (one process, one
+# GPU) may fit the whole table in one call; not yet run on a GPU.
 ( cd benchmarks && timeout ${CHOICE_LIMIT:-540} python3 attention.py --choice ${ROWS:+--rows "$ROWS"} \
-    ${PREPASS:+--prepass "$PREPASS"} \
+    ${PREPASS:+--prepass "$PREPASS" --prepass-limit "${PREPASS_LIMIT:-300}"} \
     --out "$OUT/choice${ROWS:+_${ROWS/:/-}}.md" --json "$OUT/choice${ROWS:+_${ROWS/:/-}}.json" > "$OUT/choice.log" 2>&1 )
 echo "attention.py --choice rc=$? in $(( $(date +%s) - start )) s"
 grep -E "failed|Error|Traceback" "$OUT/choice.log" | cut -c1-200 | head -8

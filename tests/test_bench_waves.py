@@ -77,3 +77,17 @@ def test_prepass_runs_at_most_n_at_once(tmp_path, capsys):
     peaks = [int(x) for x in (tmp_path / "max").read_text().split()]
     assert len(peaks) == 5 and max(peaks) <= 2
     assert "5 of 5 cells compiled" in capsys.readouterr().out
+
+
+def test_the_kernel_tables_prepass_slices_its_rows(monkeypatch):
+    """attention.py --choice --prepass N: N --warm processes over consecutive slices of the rows,
+    run through common.prepass (GPU spread, the limit)."""
+    import attention
+
+    seen = []
+    monkeypatch.setattr(attention, "prepass", lambda argvs, n, deadline: seen.append((argvs, n, deadline)))
+    t0 = time.perf_counter()
+    attention.warm_prepass(3, 10, 100)
+    (argvs, n, deadline), = seen
+    assert n == 3 and t0 + 99 < deadline < time.perf_counter() + 101
+    assert [a[-3:] for a in argvs] == [["--warm", "--rows", r] for r in ("0:3", "3:7", "7:10")]
