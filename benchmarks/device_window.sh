@@ -8,25 +8,38 @@
 #    of causal (registry's family, and general forced), window 4096, SDPA with the band mask and
 #    SDPA causal at 16k and 32k tokens (MHA 16 heads, GQA 32/8): $OUT/window.{json,md,log};
 # 3. e2e.py --sliding-window 4096 at 1x16384 (E2E=0 skips): HF's sdpa path compiled against the
-#    plugin on it and on eager attention, training and inference: $OUT/e2e_window.md.
+#    plugin on it and on eager attention, training and inference: $OUT/e2e_window.md;
+# 4. with PEERS=1, window_peers.py: the window's cost over r x causal for ours, FlexAttention and
+#    cuDNN's own window (through JAX): $OUT/window_peers.{json,md,log}; WINDOW=0 skips 2
+#    (PEERS=1 HANG=0 WINDOW=0 E2E=0: the peers alone).
 # Prints the hang lines, the check lines and any errors, then the tables last.
 source "$(dirname "$0")/device_setup.sh"
 if [ "${HANG:-1}" != 0 ]; then
   timeout 150 python3 benchmarks/window_hang.py > "$OUT/window_hang.log" 2>&1
   cat "$OUT/window_hang.log" | cut -c1-200
 fi
-start=$(date +%s)
-timeout ${WINDOW_LIMIT:-200} python3 benchmarks/window.py --json "$OUT/window.json" --out "$OUT/window.md" > "$OUT/window.log" 2>&1
-echo "window.py rc=$? in $(( $(date +%s) - start )) s"
+if [ "${WINDOW:-1}" != 0 ]; then
+  start=$(date +%s)
+  timeout ${WINDOW_LIMIT:-200} python3 benchmarks/window.py --json "$OUT/window.json" --out "$OUT/window.md" > "$OUT/window.log" 2>&1
+  echo "window.py rc=$? in $(( $(date +%s) - start )) s"
+fi
+if [ "${PEERS:-0}" != 0 ]; then  # 4. window_peers.py: the window against each kernel's own causal
+  timeout ${PEERS_LIMIT:-300} python3 benchmarks/window_peers.py --json "$OUT/window_peers.json" \
+      --out "$OUT/window_peers.md" > "$OUT/window_peers.log" 2>&1
+  echo "window_peers.py rc=$?"
+fi
 if [ "${E2E:-1}" != 0 ]; then
   ( cd benchmarks && timeout ${E2E_LIMIT:-220} python3 e2e.py --seq 16384 --batch 1 --sliding-window 4096 \
       --variants sdpa+compile,plugin-sdpa,fuse_plugin --steps 3 --out "$OUT/e2e_window.md" > "$OUT/e2e_window.log" 2>&1 )
   echo "e2e rc=$?"
 fi
-if [ -s "$OUT/window.md" ]; then
+if [ "${WINDOW:-1}" = 0 ]; then
+  :
+elif [ -s "$OUT/window.md" ]; then
   grep -E "^check|Error|Traceback|skipped" "$OUT/window.log" | cut -c1-300 | head -12
   cat "$OUT/window.md"
 else  # it stopped before the table: the log's end says why
   tail -40 "$OUT/window.log" | cut -c1-300
 fi
 [ -s "$OUT/e2e_window.md" ] && cat "$OUT/e2e_window.md" || tail -5 "$OUT/e2e_window.log" 2>/dev/null
+[ "${PEERS:-0}" != 0 ] && { cat "$OUT/window_peers.md" 2>/dev/null || tail -10 "$OUT/window_peers.log"; }
