@@ -24,7 +24,7 @@ if [ "${WINDOW:-1}" != 0 ]; then
   echo "window.py rc=$? in $(( $(date +%s) - start )) s"
 fi
 if [ "${PEERS:-0}" != 0 ]; then  # 4. window_peers.py: the window against each kernel's own causal
-  timeout ${PEERS_LIMIT:-300} python3 benchmarks/window_peers.py --json "$OUT/window_peers.json" \
+  timeout ${PEERS_LIMIT:-300} python3 benchmarks/window_peers.py --tile-cost --json "$OUT/window_peers.json" \
       --out "$OUT/window_peers.md" > "$OUT/window_peers.log" 2>&1
   echo "window_peers.py rc=$?"
 fi

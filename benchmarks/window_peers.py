@@ -1,7 +1,7 @@
 """How far a sliding window's cost falls below causal in other implementations: issue 31's window
 Must measured as a property of each kernel, ours and its peers, in one run (< 5 min).
 
-    python benchmarks/window_peers.py [--lengths 16384,32768] [--window 4096] [--configs mha,gqa]
+    python benchmarks/window_peers.py [--lengths 16384,32768] [--window 4096] [--configs mha,gqa] [--tile-cost]
                                       [--impls ours,flex,cudnn-jax] [--json FILE] [--out FILE.md]
     python benchmarks/window_peers.py --cpu-smoke   # tiny shapes on the CPU: the script runs
 
@@ -19,6 +19,15 @@ tile's fixed costs (Q load, pipeline fill, epilogue) weigh 2-4x more in the wind
              ``jax.nn.dot_product_attention(implementation="cudnn")`` (JAX is on the device
              machines; torch's SDPA does not expose cuDNN's window). Run in a subprocess (its own
              CUDA libraries and allocator), after the torch part, never beside it.
+
+``--tile-cost``: what a tile costs before its first key block, in key-block iterations, for the
+family the window runs on (Gluon where it takes the problem, else the registry's): the forward
+without a mask at Lq 16384 and Lk = n x 128 (n = 4..64), time = tiles x (a + b n), fitted by least
+squares; a / b is the fixed cost of a tile (Q load, pipeline fill, epilogue) as key blocks. The
+backward likewise with Lq = n x 128 and Lk 16384 (its programs walk query blocks per key block).
+A window tile visits ~W / 128 + 2 blocks, a causal one ~L / 256 on average: with the fixed cost a/b,
+the window's floor over r x causal is about (W / 128 + 2 + a/b) / (W / 128) x (L / 256) / (L / 256
++ a/b), printed beside the fit.
 
 Problems as benchmarks/window.py's: bf16, B 1, D 128, "mha" 16/16 heads, "gqa" 32/8, window W
 (query i sees keys i-W < j <= i). Times: forward, and forward + backward ("train"; JAX: the jitted
@@ -152,6 +161,49 @@ def ours_cases(q, k, v, W, bench) -> dict:
     return out
 
 
+def tile_cost(bench, family, heads: int = 16, long: int = 16384, ns=(4, 8, 16, 32, 64)) -> dict:
+    """--tile-cost (module doc): {"fwd": {"a", "b", "a/b", "ms"}, "bwd": ...}; ``family`` forced
+    (None: the registry's)."""
+    import torch
+
+    from fuse_plugin.kernels import registry
+    from fuse_plugin.kernels.attention import attention_backward, attention_forward
+
+    scale, out = 128 ** -0.5, {}
+    for kind in ("fwd", "bwd"):
+        xs, ys, ms = [], [], {}
+        for n in ns:
+            lq, lk = (long, n * 128) if kind == "fwd" else (n * 128, long)
+            q = torch.randn(1, heads, lq, 128, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, heads, lk, 128, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            with registry.forced(family):
+                o, lse = attention_forward(q, k, v, None, is_causal=False, scale=scale)
+                if kind == "fwd":
+                    t = bench(lambda: attention_forward(q, k, v, None, is_causal=False, scale=scale))
+                    tiles = heads * (lq // 128)  # programs of 128 query rows
+                else:
+                    do = torch.randn_like(o)
+                    t = bench(lambda: attention_backward(do, q, k, v, None, o, lse, is_causal=False, scale=scale,
+                                                         need_dbias=False))
+                    tiles = heads * (lk // 128)  # programs of 128 keys
+            ms[n] = t
+            xs.append(n)
+            ys.append(t * 1e3 / tiles)  # us per program
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        a = my - b * mx
+        out[kind] = {"a_us": a, "b_us": b, "a/b": a / b, "ms": ms}
+    return out
+
+
+def floor_ratio(fixed_blocks: float, L: int, W: int, block: int = 128) -> float:
+    """The window's cost over r x causal if a tile costs ``fixed_blocks`` + its visited blocks
+    (module doc)."""
+    wb, cb = W / block + 2, L / (2 * block)
+    return (wb + fixed_blocks) / (W / block) * cb / (cb + fixed_blocks)
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -183,6 +235,7 @@ def main(argv=None):
     p.add_argument("--impls", default="ours,flex,cudnn-jax")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
+    p.add_argument("--tile-cost", action="store_true", help="also fit each tile's fixed cost (module doc)")
     p.add_argument("--json", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -257,10 +310,25 @@ def main(argv=None):
                 lines.append(f"| {key} | {impl} ({name}) | {c['train']:.3f}{fam} | {w['train']:.3f} | "
                              f"{c['fwd']:.3f} / {w['fwd']:.3f} | {own:.3f} | {best:.3f} |")
         lines.append(f"| {key} | r = {r:.4f} | | | | | |")
+    costs = {}
+    if args.tile_cost and not args.cpu_smoke:
+        for fam in ("gluon", None):
+            try:
+                costs[fam or "registry"] = c = tile_cost(bench, fam)
+            except Exception as e:  # noqa: BLE001  the family does not run here
+                costs[fam or "registry"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+                continue
+            for kind in ("fwd", "bwd"):
+                x = c[kind]
+                floors = ", ".join(f"L{L} {floor_ratio(x['a/b'], L, W):.3f}" for L in lengths)
+                lines.append(f"tile cost {fam or 'registry'} {kind}: a {x['a_us']:.2f} us + b {x['b_us']:.3f} us per "
+                             f"block -> fixed = {x['a/b']:.1f} blocks; floor over r x causal: {floors}; ms "
+                             + ", ".join(f"n{n} {t:.3f}" for n, t in x["ms"].items()))
     emit(lines, args.out)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"head": head, "window": W, "results": results, "ratios": summary}, f, indent=1)
+            json.dump({"head": head, "window": W, "results": results, "ratios": summary, "tile_cost": costs},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -41,3 +41,12 @@ def test_smoke_run(tmp_path):
     assert "error" in res["flex"] and "backward on CPU" in res["flex"]["error"]
     jax_row = res["xla-jax"]
     assert ("train" in jax_row.get("window", {})) or "jax" in json.dumps(jax_row).lower()
+
+
+def test_the_floor_of_a_tile_with_fixed_costs():
+    # no fixed cost: only the window's two partly visible blocks (34 visited for 32 live at W 4096)
+    assert window_peers.floor_ratio(0, 16384, 4096) == pytest.approx(34 / 32)
+    # a fixed cost weighs more the shorter the window's tiles are against the causal ones
+    f16, f32 = window_peers.floor_ratio(10, 16384, 4096), window_peers.floor_ratio(10, 32768, 4096)
+    assert 1.15 < f16 < f32 < 1.3
+    assert f32 == pytest.approx((34 + 10) / 32 * 128 / 138)
