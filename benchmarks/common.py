@@ -194,7 +194,7 @@ def wait_for_turn(prefix: str, reserved_gb: float) -> None:
     wait for ``<prefix>.go``; exit when the parent is gone (nobody would give the turn)."""
     import json
 
-    parent = os.getppid()
+    parent = int(os.environ.get("BENCH_WAVES_PARENT", os.getppid()))  # run_waves' pid, set at the start
     with open(prefix + ".built", "w") as f:
         json.dump({"reserved_gb": reserved_gb}, f)
     while not os.path.exists(prefix + ".go"):
@@ -255,6 +255,7 @@ def run_waves(order: list, argv_of, parallel: int, deadline: float, missing, pro
             env = dict(os.environ)
             env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", share)
             env.setdefault("OMP_NUM_THREADS", share)
+            env["BENCH_WAVES_PARENT"] = str(os.getpid())  # a worker whose parent is gone stops waiting
             if len(gpus) > 1:
                 env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
             with open(f"{sync_dir}/{i}.log", "w") as log:

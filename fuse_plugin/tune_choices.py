@@ -67,6 +67,9 @@ CLASSES = {
     "beit-b": Case((64, 12, 12, 197, 197, 64, 64), "float", seen="BEiT-B (rel. position bias)"),
     "eva02-ti": Case((64, 3, 3, 257, 257, 64, 64), "none", seen="EVA-02-Ti"),
     "pvt-s1": Case((64, 1, 1, 3136, 49, 32, 32), "none", seen="PVTv2-b0 stage 1 (spatial reduction)"),
+    # stage 2 (784 queries over 49 keys, class q1024|k64) was in neither GPU's table at stop 36,
+    # when PVTv2-b0 trained at 0.98x under CUDA graphs on an H200 (1.03x on an H100): measure it
+    "pvt-s2": Case((64, 2, 2, 784, 49, 32, 32), "none", seen="PVTv2-b0 stage 2"),
     "pvt-s3": Case((64, 5, 5, 196, 49, 32, 32), "none", seen="PVTv2-b0 stage 3"),
     "class-attn": Case((64, 4, 4, 1, 197, 48, 48), "none", seen="CaiT / XCiT class attention"),
     # XCiT's cross-covariance attention: channels as the tokens (C/H = 32), the 196 patches as the
