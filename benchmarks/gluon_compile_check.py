@@ -92,6 +92,11 @@ def main() -> int:
                 grid, args, kwargs = gf._launch_args(q, k, v, out, lse, causal, 0.1, var, window)
                 ok &= compile_one(f"fwd D{D} {name} causal={causal} window={window}", gf.attention_fwd_gluon_kernel,
                                   grid, args, kwargs)
+                if name == gf.DEFAULT_VARIANTS[D]:  # the persistent forward (not chosen by the registry)
+                    pvar = var._replace(persistent=True)
+                    grid, args, kwargs = gf._launch_args(q, k, v, out, lse, causal, 0.1, pvar, window)
+                    ok &= compile_one(f"fwd D{D} {name} persistent causal={causal} window={window}",
+                                      gf.attention_fwd_gluon_persistent_kernel, grid, args, kwargs)
         cfg = gb.variant_config("m64n128s2xl", D)
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         lse2, delta, dqacc = torch.empty(1, 4, 256), torch.empty(1, 4, 256), torch.empty(1, 4, 256, D)

@@ -12,7 +12,9 @@ tile's fixed costs (Q load, pipeline fill, epilogue) weigh 2-4x more in the wind
 51). This script measures r-normalised window cost for each implementation against its own causal:
 
   ours       our launchers (kernels/attention.py), the registry's family: causal (cuDNN on an
-             H100, stop 35), causal with the Gluon family forced, the window (Gluon there);
+             H100, stop 35), causal with the Gluon family forced, the window (Gluon there); and
+             the persistent Gluon forward (stop 36, not chosen by the registry) on the causal and
+             window problems, with the same backward ("causal-persistent", "window-persistent");
   flex       PyTorch's FlexAttention (torch.compile'd flex_attention) with a block mask from
              the causal / causal-window mask_mod (its kernels skip the blocks the mask hides);
   cudnn-jax  cuDNN's own sliding window (``sliding_window_length``) and causal through
@@ -155,8 +157,26 @@ def ours_cases(q, k, v, W, bench) -> dict:
     for case, w, family in (("causal", 0, None), ("causal-gluon", 0, "gluon"), ("window", W, None)):
         try:
             r = wb.ours(q, k, v, w, family, bench)
-            out[case] = {"fwd": r["fwd"], "train": r["fwd"] + r["bwd"], "family": r["family"]}
+            out[case] = {"fwd": r["fwd"], "train": r["fwd"] + r["bwd"], "family": r["family"], "bwd": r["bwd"]}
         except Exception as e:  # noqa: BLE001  e.g. the Gluon family on a GPU without it
+            out[case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    # The persistent Gluon forward (stop 36, not chosen by the registry) with the same backward:
+    # "causal-persistent" (own causal of "window-persistent").
+    for case, w, base in (("causal-persistent", 0, "causal-gluon"), ("window-persistent", W, "window")):
+        if "bwd" not in out.get(base, {}):
+            continue
+        try:
+            from fuse_plugin.kernels import attention_fwd_gluon as gf
+
+            why = gf.why_not_gluon_forward(q, k, v, True, q.shape[-1] ** -0.5, w)
+            if why:
+                raise ValueError(f"Gluon forward not applicable: {why}")
+            var = gf.resolve_variant(None, q.shape[-1])._replace(persistent=True)
+            kw = dict(is_causal=True, scale=q.shape[-1] ** -0.5, variant=var, window=w)
+            gf.attention_forward_gluon(q, k, v, **kw)
+            fwd = bench(lambda kw=kw: gf.attention_forward_gluon(q, k, v, **kw))
+            out[case] = {"fwd": fwd, "train": fwd + out[base]["bwd"], "family": "gluon-persistent/" + base}
+        except Exception as e:  # noqa: BLE001  no Gluon here
             out[case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
     return out
 
@@ -215,12 +235,14 @@ def ratios(res: dict, r: float) -> dict:
     best = min(causal) if causal else None
     out = {}
     for impl, cases in res.items():
-        w = (cases or {}).get("window") or {}
-        if "train" not in w:
-            continue
-        own = {name: w["train"] / (r * c["train"]) for name, c in cases.items()
-               if name.startswith("causal") and "train" in (c or {})}
-        out[impl] = {"own": own, "vs_best": w["train"] / (r * best) if best else None}
+        for wname in [n for n in (cases or {}) if n.startswith("window")]:
+            w = cases[wname] or {}
+            if "train" not in w:
+                continue
+            own = {name: w["train"] / (r * c["train"]) for name, c in cases.items()
+                   if name.startswith("causal") and "train" in (c or {})}
+            key = impl if wname == "window" else f"{impl} {wname}"
+            out[key] = {"own": own, "vs_best": w["train"] / (r * best) if best else None}
     return out
 
 
@@ -299,16 +321,19 @@ def main(argv=None):
             if "error" in cases:
                 lines.append(f"| {key} | {impl} | {cases['error'][:80]} | | | | |")
                 continue
-            for name in [n for n in cases if n.startswith("causal")]:
-                c, w = cases[name], cases.get("window") or {}
-                if "train" not in c or "train" not in w:
-                    lines.append(f"| {key} | {impl} ({name}) | {c.get('error', w.get('error', '-'))[:80]} | | | | |")
-                    continue
-                fam = f" ({c['family']})" if "family" in c else ""
-                own = rat.get(impl, {}).get("own", {}).get(name)
-                best = rat.get(impl, {}).get("vs_best")
-                lines.append(f"| {key} | {impl} ({name}) | {c['train']:.3f}{fam} | {w['train']:.3f} | "
-                             f"{c['fwd']:.3f} / {w['fwd']:.3f} | {own:.3f} | {best:.3f} |")
+            for wname in [n for n in cases if n.startswith("window")]:
+                rk = impl if wname == "window" else f"{impl} {wname}"
+                for name in [n for n in cases if n.startswith("causal")]:
+                    c, w = cases[name], cases[wname] or {}
+                    label = f"{impl} ({name}{'' if wname == 'window' else ' / ' + wname})"
+                    if "train" not in c or "train" not in w:
+                        lines.append(f"| {key} | {label} | {c.get('error', w.get('error', '-'))[:80]} | | | | |")
+                        continue
+                    fam = f" ({c['family']})" if "family" in c else ""
+                    own = rat.get(rk, {}).get("own", {}).get(name)
+                    best = rat.get(rk, {}).get("vs_best")
+                    lines.append(f"| {key} | {label} | {c['train']:.3f}{fam} | {w['train']:.3f} | "
+                                 f"{c['fwd']:.3f} / {w['fwd']:.3f} | {own:.3f} | {best:.3f} |")
         lines.append(f"| {key} | r = {r:.4f} | | | | | |")
     costs = {}
     if args.tile_cost and not args.cpu_smoke:

@@ -181,6 +181,41 @@ def test_gluon_window_matches_the_band_reference(monkeypatch, fwd, lq, lk, windo
         check_close(name, got.double(), ref, 1e-2)
 
 
+PERSISTENT_CASES = GLUON_WINDOW_CASES + [  # (Lq, Lk, window (0: causal; -1: no mask), Hq, Hkv, D)
+    (4096, 4096, 1024, 16, 4, 128),  # 512 tiles: each program walks 3-4 of them (132 SMs)
+    (4096, 4096, 0, 16, 4, 128),  # causal, the tiles of unequal length
+    (1000, 1000, -1, 8, 8, 64),  # no mask, a partial last block
+    (3000, 3000, 0, 33, 33, 64),  # 33 x 24 tiles: 6 per program, one program with fewer
+]
+
+
+@pytest.mark.skipif(_gluon_why_not() is not None, reason=str(_gluon_why_not()))
+@pytest.mark.parametrize("lq, lk, window, hq, hkv, d", PERSISTENT_CASES)
+def test_gluon_persistent_forward_matches_the_reference(lq, lk, window, hq, hkv, d):
+    """The persistent Gluon forward (one program per SM walking tiles; stop 36, not chosen by the
+    registry) against float64: out and lse poisoned with NaN first."""
+    from fuse_plugin.kernels import attention_fwd_gluon as gf
+    from helpers import poisoned_empty
+
+    torch.manual_seed(lq + window + d + hq)
+    q = torch.randn(1, hq, lq, d, device=DEVICE, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, hkv, lk, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    scale = d ** -0.5
+    out = poisoned_empty((1, hq, lq, d), dtype=torch.bfloat16, device=DEVICE)
+    lse = poisoned_empty((1, hq, lq), dtype=torch.float32, device=DEVICE)
+    var = gf.resolve_variant(None, d)._replace(persistent=True)
+    causal, w = window >= 0, max(window, 0)
+    gf.attention_forward_gluon(q, k, v, is_causal=causal, scale=scale, variant=var, out=out, lse=lse, window=w)
+    q64, k64, v64 = (t.double() for t in (q, k, v))
+    g = hq // hkv
+    s = q64 @ k64.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    if causal:  # (window 0: plain causal, a band wider than the keys)
+        s = s.masked_fill(~band(lq, lk, w or lq + lk, q.device), float("-inf"))
+    want = torch.softmax(s, -1) @ v64.repeat_interleave(g, 1)
+    check_close("out", out.double(), want, 1e-2)
+    check_close("lse", lse.double(), s.logsumexp(-1), 1e-3)
+
+
 @pytest.mark.parametrize("window, d, want", [
     (4096, 128, "gluon"),  # the measured range (stop 35, H100: 0.64-0.70x the general kernels' time)
     (8192, 128, "gluon"),

@@ -73,6 +73,7 @@ class GluonFwdVariant(NamedTuple):
     cons_regs: int = 240    # registers per thread of the worker consumer warpgroup
     load_regs: int = 24     # registers per thread of the producer warp
     maxnreg: int = 168      # launch register limit (default partition gets the remainder)
+    persistent: bool = False  # one program per SM walking tiles (not yet run on a GPU, stop 36)
 
 
 # Named variants offered to the GPU sweep (head dims each compiles for without spills, checked by
@@ -95,7 +96,8 @@ DEFAULT_VARIANTS = {64: "m64n128s3pp", 128: "m64n128s2pp"}
 
 
 def _smem_bytes(v: GluonFwdVariant, D: int, elt: int = 2) -> int:
-    return (2 * v.m_wg * D + 2 * v.stages * v.block_n * D) * elt + 1024
+    o_buffer = 2 * v.m_wg * D if v.persistent else 0  # the persistent kernel's O staging
+    return (2 * v.m_wg * D + o_buffer + 2 * v.stages * v.block_n * D) * elt + 1024
 
 
 def variant_fits(v: GluonFwdVariant, D: int) -> bool:
@@ -187,15 +189,16 @@ if GLUON_AVAILABLE:
         return p, m_new, l_new, alpha
 
     @gluon.jit
-    def _consumer_iter(j, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, o,
-                       p_op, m_i, l_i, qk_scale, rows, Lk, n_lo, window,
+    def _consumer_iter(j, start_n, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, o,
+                       p_op, m_i, l_i, qk_scale, rows, Lk, window,
                        CID: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                        p_layout: gl.constexpr, MASK: gl.constexpr, IS_CAUSAL: gl.constexpr,
                        WINDOW: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr,
                        D: gl.constexpr, STAGES: gl.constexpr, M_WG: gl.constexpr,
                        dtype: gl.constexpr):
-        """Iteration j >= 1 (key block n_lo + j): S_j = Q K_j^T and O += P_{j-1} V_{j-1} in
-        flight together, the softmax of S_j overlapping the PV wgmma."""
+        """Iteration j >= 1 of the K/V ring (its key block starts at start_n; the ring's slots and
+        phases count j, across tiles in the persistent kernel): S_j = Q K_j^T and O += P_{j-1}
+        V_{j-1} in flight together, the softmax of S_j overlapping the PV wgmma."""
         s_idx = j % STAGES
         jp = j - 1
         sp_idx = jp % STAGES
@@ -212,7 +215,7 @@ if GLUON_AVAILABLE:
             mbarrier.arrive(turn.index(1 - CID), count=1)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         mbarrier.arrive(k_empty.index(s_idx), count=1)
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, (n_lo + j) * BLOCK_N, Lk,
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, start_n, Lk,
                                            window, s_layout, MASK, IS_CAUSAL, WINDOW, BLOCK_N)
         o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
         mbarrier.arrive(v_empty.index(sp_idx), count=1)
@@ -265,18 +268,18 @@ if GLUON_AVAILABLE:
         if WINDOW:
             for j in range(1, j_mid):
                 o, p_op, m_i, l_i = _consumer_iter(
-                    j, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, o, p_op,
-                    m_i, l_i, qk_scale, rows, Lk, n_lo, window, CID, s_layout, o_layout, p_layout,
+                    j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                    turn, o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout,
                     True, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
         for j in range(j_mid, j_tail):
             o, p_op, m_i, l_i = _consumer_iter(
-                j, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, o, p_op, m_i,
-                l_i, qk_scale, rows, Lk, n_lo, window, CID, s_layout, o_layout, p_layout, False,
+                j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout, False,
                 IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
         for j in range(j_tail, n_total - n_lo):
             o, p_op, m_i, l_i = _consumer_iter(
-                j, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, o, p_op, m_i,
-                l_i, qk_scale, rows, Lk, n_lo, window, CID, s_layout, o_layout, p_layout, True,
+                j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout, True,
                 IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
 
         # Last PV.
@@ -352,6 +355,199 @@ if GLUON_AVAILABLE:
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                          v_ready, v_empty, b, h, kvh, start_m, n_lo, n_total, M_WG, BLOCK_N,
                          STAGES)),
+        ], [4, 1], [CONS_REGS, LOAD_REGS])
+
+
+    # ---------------------------------------------------------------- the persistent forward
+    # One program per SM walks tiles t = pid, pid + P, ... (P programs): the producer loads the next
+    # tile's Q and first K/V blocks while the consumers finish the current tile's last PV and its
+    # epilogue, and the epilogue's O store (through a buffer of its own, not Q's) completes during
+    # the next tile. The K/V ring's slots and phases, and the ping-pong turns, count iterations
+    # across tiles (``g``). NOT YET RUN ON A GPU (stop 36): variant ``persistent=True`` only, never
+    # chosen by the registry; benchmarks/window_peers.py times it against the per-tile kernel.
+
+    @gluon.jit
+    def _tile(t, n_m, Hq, kv_group, BLOCK_M: gl.constexpr):
+        """(b, h, kv head, first query row) of tile t: heads outer, query blocks last-first."""
+        pid_m = n_m - 1 - t % n_m
+        pid_bh = t // n_m
+        h = pid_bh % Hq
+        return pid_bh // Hq, h, h // kv_group, pid_m * BLOCK_M
+
+    @gluon.jit
+    def _producer_p(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+                    v_ready, v_empty, n_m, n_tiles, Hq, kv_group, Lk, window, IS_CAUSAL: gl.constexpr,
+                    WINDOW: gl.constexpr, M_WG: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        BLOCK_M: gl.constexpr = 2 * M_WG
+        g = 0  # K/V iterations issued so far (all tiles)
+        tc = 0  # tiles so far
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            b, h, kvh, start_m = _tile(t, n_m, Hq, kv_group, BLOCK_M)
+            n_lo, n_lofull, n_full, n_total = _kv_blocks(start_m, Lk, window, IS_CAUSAL, WINDOW,
+                                                         BLOCK_M, BLOCK_N)
+            n_iter = n_total - n_lo
+            # Q once both consumers are done with the previous tile's (its last QK^T).
+            mbarrier.wait(q_empty, (tc & 1) ^ 1)
+            mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, start_m, 0], q_ready, q_smem.index(0))
+            tma.async_copy_global_to_shared(q_desc, [b, h, start_m + M_WG, 0], q_ready, q_smem.index(1))
+            s = g % STAGES
+            mbarrier.wait(k_empty.index(s), ((g // STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, kvh, n_lo * BLOCK_N, 0], k_ready.index(s),
+                                            k_smem.index(s))
+            for j in range(n_iter):
+                jn = g + j + 1
+                if j + 1 < n_iter:
+                    s = jn % STAGES
+                    mbarrier.wait(k_empty.index(s), ((jn // STAGES) & 1) ^ 1)
+                    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(k_desc, [b, kvh, (n_lo + j + 1) * BLOCK_N, 0],
+                                                    k_ready.index(s), k_smem.index(s))
+                jc = g + j
+                s = jc % STAGES
+                mbarrier.wait(v_empty.index(s), ((jc // STAGES) & 1) ^ 1)
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [b, kvh, (n_lo + j) * BLOCK_N, 0],
+                                                v_ready.index(s), v_smem.index(s))
+            g += n_iter
+            tc += 1
+
+    @gluon.jit
+    def _consumer_p(q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty,
+                    turn, o_desc, lse_ptr, stride_lb, stride_lh, n_m, n_tiles, Hq, kv_group, Lq, Lk,
+                    window, qk_scale, CID: gl.constexpr, M_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                    D: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                    PINGPONG: gl.constexpr):
+        BLOCK_M: gl.constexpr = 2 * M_WG
+        dtype: gl.constexpr = o_desc.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q2d = q_smem.index(CID).reshape([M_WG, D])
+        o_tile = o_smem.index(CID)
+        o2d = o_tile.reshape([M_WG, D])
+        g = 0
+        tc = 0
+        for t in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
+            b, h, kvh, start_m = _tile(t, n_m, Hq, kv_group, BLOCK_M)
+            n_lo, n_lofull, n_full, n_total = _kv_blocks(start_m, Lk, window, IS_CAUSAL, WINDOW,
+                                                         BLOCK_M, BLOCK_N)
+            n_iter = n_total - n_lo
+            row0 = start_m + CID * M_WG
+            rows = row0 + gl.arange(0, M_WG, layout=gl.SliceLayout(1, s_layout))
+
+            # Block n_lo (ring iteration g), synchronous and masked, as in _consumer.
+            mbarrier.wait(q_ready, tc & 1)
+            s0 = g % STAGES
+            mbarrier.wait(k_ready.index(s0), (g // STAGES) & 1)
+            k2d = k_smem.index(s0).reshape([BLOCK_N, D])
+            if PINGPONG:
+                mbarrier.wait(turn.index(CID), (g & 1) ^ (1 - CID))
+            s_zero = gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout)
+            s_tok = warpgroup_mma(q2d, k2d.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(1 - CID), count=1)
+            sc = warpgroup_mma_wait(0, deps=[s_tok])
+            mbarrier.arrive(k_empty.index(s0), count=1)
+            m_i = gl.full([M_WG], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([M_WG], gl.float32, gl.SliceLayout(1, s_layout))
+            p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, qk_scale, rows, n_lo * BLOCK_N, Lk, window,
+                                               s_layout, True, IS_CAUSAL, WINDOW, BLOCK_N)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            o = gl.zeros([M_WG, D], gl.float32, o_layout)
+
+            j_mid = gl.maximum(gl.minimum(n_lofull, n_full) - n_lo, 1)
+            j_tail = gl.maximum(n_full - n_lo, j_mid)
+            if WINDOW:
+                for j in range(1, j_mid):
+                    o, p_op, m_i, l_i = _consumer_iter(
+                        g + j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready,
+                        v_empty, turn, o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout,
+                        o_layout, p_layout, True, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG,
+                        dtype)
+            for j in range(j_mid, j_tail):
+                o, p_op, m_i, l_i = _consumer_iter(
+                    g + j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                    turn, o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout,
+                    False, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
+            for j in range(j_tail, n_iter):
+                o, p_op, m_i, l_i = _consumer_iter(
+                    g + j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                    turn, o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout,
+                    True, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
+            # Every QK^T of this tile has completed: Q may be overwritten by the next tile's.
+            mbarrier.arrive(q_empty, count=1)
+
+            # Last PV.
+            jl = g + n_iter - 1
+            sl = jl % STAGES
+            mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
+            v2d = v_smem.index(sl).reshape([BLOCK_N, D])
+            o_tok = warpgroup_mma(p_op, v2d, o, is_async=True)
+            o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+            mbarrier.arrive(v_empty.index(sl), count=1)
+
+            # Epilogue through this consumer's O buffer: the previous tile's store from it must
+            # have read it; this tile's store completes while the next tile runs.
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            o = o / gl.expand_dims(l_o, 1)
+            tma.store_wait(0)
+            o2d.store(o.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], o_tile)
+            lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+            lse_ptrs = lse_ptr + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows
+            gl.store(lse_ptrs, lse, mask=rows < Lq)
+            g += n_iter
+            tc += 1
+        tma.store_wait(0)
+
+    @gluon.jit(do_not_specialize=["stride_lb", "stride_lh", "Hq", "kv_group", "Lq", "Lk", "window", "n_bh"])
+    def attention_fwd_gluon_persistent_kernel(
+            q_desc, k_desc, v_desc, o_desc, lse_ptr, stride_lb, stride_lh, Hq, kv_group, Lq, Lk,
+            window, qk_scale, n_bh, D: gl.constexpr, M_WG: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+            PINGPONG: gl.constexpr, CONS_REGS: gl.constexpr, LOAD_REGS: gl.constexpr):
+        BLOCK_M: gl.constexpr = 2 * M_WG
+        n_m = gl.cdiv(Lq, BLOCK_M)
+        n_tiles = n_m * n_bh
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(q_empty, count=2)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+
+        gl.warp_specialize([
+            (_consumer_p, (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                           v_empty, turn, o_desc, lse_ptr, stride_lb, stride_lh, n_m, n_tiles, Hq, kv_group,
+                           Lq, Lk, window, qk_scale, 0, M_WG, BLOCK_N, D, STAGES, IS_CAUSAL, WINDOW,
+                           PINGPONG)),
+            (_consumer_p, (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+                           v_empty, turn, o_desc, lse_ptr, stride_lb, stride_lh, n_m, n_tiles, Hq, kv_group,
+                           Lq, Lk, window, qk_scale, 1, M_WG, BLOCK_N, D, STAGES, IS_CAUSAL, WINDOW,
+                           PINGPONG)),
+            (_producer_p, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                           k_empty, v_ready, v_empty, n_m, n_tiles, Hq, kv_group, Lk, window, IS_CAUSAL,
+                           WINDOW, M_WG, BLOCK_N, STAGES)),
         ], [4, 1], [CONS_REGS, LOAD_REGS])
 
 
@@ -475,7 +671,16 @@ def launch_forward_gluon(q, k, v, out, lse, is_causal, scale, var: GluonFwdVaria
     """The launch alone, for callers that have checked the problem (kernels/attention.py):
     out contiguous (B, Hq, Lq, D) and lse (B, Hq, Lq) fp32 with unit last stride."""
     grid, args, kwargs = _launch_args(q, k, v, out, lse, is_causal, scale, var, window)
-    attention_fwd_gluon_kernel[grid](*args, **kwargs)
+    kernel = attention_fwd_gluon_persistent_kernel if var.persistent else attention_fwd_gluon_kernel
+    kernel[grid](*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device) -> int:
+    import torch
+    if getattr(device, "type", "cuda") != "cuda" or not torch.cuda.is_available():
+        return 132  # the local compile check (no GPU): an H100's count
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch_args(q, k, v, out, lse, is_causal, scale, var: GluonFwdVariant, window: int = 0):
@@ -486,6 +691,9 @@ def _launch_args(q, k, v, out, lse, is_causal, scale, var: GluonFwdVariant, wind
     args = (_descriptor(q, var.m_wg), _descriptor(k, var.block_n), _descriptor(v, var.block_n),
             _descriptor(out, var.m_wg), lse, lse.stride(0), lse.stride(1), Hq, Hq // Hkv, Lq, Lk,
             int(window), float(scale) * _LOG2E)
+    if var.persistent:  # one program per SM (at most one per tile), the (batch, head) count passed
+        grid = (min(grid[0], _sm_count(q.device)),)
+        args = args + (B * Hq,)
     kwargs = dict(D=D, M_WG=var.m_wg, BLOCK_N=var.block_n, STAGES=var.stages,
                   IS_CAUSAL=bool(is_causal), WINDOW=bool(window), PINGPONG=bool(var.pingpong),
                   CONS_REGS=var.cons_regs, LOAD_REGS=var.load_regs, num_warps=4,
