@@ -5,6 +5,7 @@ instead of a bias.
 Kernels on the CPU run in Triton's interpreter (tiny shapes, fp32, against a float64 band-mask
 reference); the rewrite's tests run the op's CPU reference. Timings are in benchmarks/window.py."""
 import math
+import os
 
 import pytest
 import torch
@@ -189,7 +190,16 @@ PERSISTENT_CASES = GLUON_WINDOW_CASES + [  # (Lq, Lk, window (0: causal; -1: no 
 ]
 
 
-@pytest.mark.skipif(_gluon_why_not() is not None, reason=str(_gluon_why_not()))
+# Not yet run on a GPU (stop 36): a wrong barrier phase hangs the GPU, and a hung kernel would take the
+# whole GPU suite's call with it; run alone, with a timeout, until it has passed once:
+#   RUN_PERSISTENT_FWD_TEST=1 timeout 300 python -m pytest -q tests/test_window.py -k persistent
+_PERSISTENT_WHY_NOT = _gluon_why_not() or (
+    None if os.environ.get("RUN_PERSISTENT_FWD_TEST") == "1" else
+    "the persistent Gluon forward has not run on a GPU yet: set RUN_PERSISTENT_FWD_TEST=1 and run it alone "
+    "with a timeout (a barrier bug hangs the GPU)")
+
+
+@pytest.mark.skipif(_PERSISTENT_WHY_NOT is not None, reason=str(_PERSISTENT_WHY_NOT))
 @pytest.mark.parametrize("lq, lk, window, hq, hkv, d", PERSISTENT_CASES)
 def test_gluon_persistent_forward_matches_the_reference(lq, lk, window, hq, hkv, d):
     """The persistent Gluon forward (one program per SM walking tiles; stop 36, not chosen by the

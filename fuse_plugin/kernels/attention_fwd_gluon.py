@@ -36,6 +36,11 @@ keys. Ping-pong helps at 16k and fp16, hurts short causal rows: the table picks 
 kernels/attention.py reaches this kernel through ``launch_forward_gluon`` (AttentionConfig.kernel
 "gluon" / "gluon_pingpong"); ``attention_forward_gluon`` is the checked entry for scripts.
 
+``GluonFwdVariant(persistent=True)`` launches ``attention_fwd_gluon_persistent_kernel`` instead: one
+program per SM walking the tiles, the next tile's loads and the O store overlapping a tile's end
+(for the window's short tiles, NOTES attempt 53). Not yet run on a GPU (stop 36): the registry never
+chooses it; its GPU test is opt-in (tests/test_window.py, RUN_PERSISTENT_FWD_TEST=1).
+
 No softcap (Gemma 2 / Grok logit softcapping): the launcher (kernels/attention.py,
 ``_softcap_config``) never picks this kernel for a softcapped call; the general kernels take it.
 """
