@@ -10,7 +10,8 @@
 # 3. e2e.py --sliding-window 4096 at 1x16384 (E2E=0 skips): HF's sdpa path compiled against the
 #    plugin on it and on eager attention, training and inference: $OUT/e2e_window.md;
 # 4. with PEERS=1, window_peers.py: the window's cost over r x causal for ours, FlexAttention and
-#    cuDNN's own window (through JAX): $OUT/window_peers.{json,md,log}; WINDOW=0 skips 2
+#    cuDNN's own window (through JAX), after the persistent forward's opt-in test (its rows only if
+#    it passed): $OUT/window_peers.{json,md,log}, persistent_test.log; WINDOW=0 skips 2
 #    (PEERS=1 HANG=0 WINDOW=0 E2E=0: the peers alone).
 # Prints the hang lines, the check lines and any errors, then the tables last.
 source "$(dirname "$0")/device_setup.sh"
@@ -24,8 +25,15 @@ if [ "${WINDOW:-1}" != 0 ]; then
   echo "window.py rc=$? in $(( $(date +%s) - start )) s"
 fi
 if [ "${PEERS:-0}" != 0 ]; then  # 4. window_peers.py: the window against each kernel's own causal
-  timeout ${PEERS_LIMIT:-300} python3 benchmarks/window_peers.py --tile-cost --json "$OUT/window_peers.json" \
-      --out "$OUT/window_peers.md" > "$OUT/window_peers.log" 2>&1
+  # the persistent forward's rows only once its test passed, alone, under a timeout (a barrier bug hangs)
+  RUN_PERSISTENT_FWD_TEST=1 timeout ${PERSIST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider \
+      tests/test_window.py -k persistent > "$OUT/persistent_test.log" 2>&1
+  prc=$?
+  echo "persistent forward test rc=$prc: $(tail -1 "$OUT/persistent_test.log" | cut -c1-150)"
+  impls=ours,flex,cudnn-jax
+  [ $prc = 0 ] && impls=$impls,persistent
+  timeout ${PEERS_LIMIT:-300} python3 benchmarks/window_peers.py --impls $impls --tile-cost \
+      --json "$OUT/window_peers.json" --out "$OUT/window_peers.md" > "$OUT/window_peers.log" 2>&1
   echo "window_peers.py rc=$?"
 fi
 if [ "${E2E:-1}" != 0 ]; then

@@ -149,8 +149,9 @@ def flex_cases(q, k, v, W, bench, compiled: bool) -> dict:
     return out
 
 
-def ours_cases(q, k, v, W, bench) -> dict:
-    """Our launchers (window.py's ``ours``): causal (registry), causal-gluon, window (registry)."""
+def ours_cases(q, k, v, W, bench, persistent: bool = True) -> dict:
+    """Our launchers (window.py's ``ours``): causal (registry), causal-gluon, window (registry); with
+    ``persistent`` also the persistent Gluon forward's rows."""
     import window as wb
 
     out = {}
@@ -163,7 +164,7 @@ def ours_cases(q, k, v, W, bench) -> dict:
     # The persistent Gluon forward (stop 36, not chosen by the registry) with the same backward:
     # "causal-persistent" (own causal of "window-persistent").
     for case, w, base in (("causal-persistent", 0, "causal-gluon"), ("window-persistent", W, "window")):
-        if "bwd" not in out.get(base, {}):
+        if not persistent or "bwd" not in out.get(base, {}):
             continue
         try:
             from fuse_plugin.kernels import attention_fwd_gluon as gf
@@ -254,7 +255,8 @@ def main(argv=None):
     p.add_argument("--lengths", default="16384,32768")
     p.add_argument("--window", type=int, default=4096)
     p.add_argument("--configs", default="mha,gqa")
-    p.add_argument("--impls", default="ours,flex,cudnn-jax")
+    p.add_argument("--impls", default="ours,flex,cudnn-jax,persistent",
+                   help="persistent: our persistent Gluon forward's rows (leave it out until its test passed)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU (Triton's interpreter)")
     p.add_argument("--tile-cost", action="store_true", help="also fit each tile's fixed cost (module doc)")
@@ -291,7 +293,7 @@ def main(argv=None):
             v = torch.randn(1, hkv, L, D, device=device, dtype=dtype)
             res = {}
             if "ours" in impls:
-                res["ours"] = ours_cases(q, k, v, W, bench)
+                res["ours"] = ours_cases(q, k, v, W, bench, "persistent" in impls)
             if "flex" in impls:
                 try:
                     res["flex"] = flex_cases(q, k, v, W, bench, compiled=not args.cpu_smoke)
