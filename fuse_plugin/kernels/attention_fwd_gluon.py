@@ -230,6 +230,80 @@ if GLUON_AVAILABLE:
         return o, p_op, m_i, l_i
 
     @gluon.jit
+    def _init_ring(k_ready, k_empty, v_ready, v_empty, turn, STAGES: gl.constexpr):
+        """The K/V ring's barriers (ready: the producer's TMA; empty: both consumers) and the two
+        ping-pong turns."""
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+
+    @gluon.jit
+    def _tile_scores(g, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, rows, n_lo, n_lofull,
+                     n_full, n_total, Lk, window, qk_scale, CID: gl.constexpr, s_layout: gl.constexpr,
+                     o_layout: gl.constexpr, p_layout: gl.constexpr, M_WG: gl.constexpr,
+                     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                     WINDOW: gl.constexpr, PINGPONG: gl.constexpr, dtype: gl.constexpr):
+        """One tile's key blocks n_lo .. n_total - 1 as ring iterations g, g + 1, ... (g = 0 in the
+        per-tile kernel; counted across tiles in the persistent one), every QK^T done; returns
+        (o, p_op, m_i, l_i) with the last block's PV still to do (``_last_pv``)."""
+        # Block n_lo (always masked: cheap, once), synchronous.
+        s0 = g % STAGES
+        mbarrier.wait(k_ready.index(s0), (g // STAGES) & 1)
+        k2d = k_smem.index(s0).reshape([BLOCK_N, D])
+        if PINGPONG:
+            mbarrier.wait(turn.index(CID), (g & 1) ^ (1 - CID))
+        s_zero = gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout)
+        s_tok = warpgroup_mma(q2d, k2d.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - CID), count=1)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(s0), count=1)
+        m_i = gl.full([M_WG], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([M_WG], gl.float32, gl.SliceLayout(1, s_layout))
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, n_lo * BLOCK_N, Lk, window,
+                                           s_layout, True, IS_CAUSAL, WINDOW, BLOCK_N)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o = gl.zeros([M_WG, D], gl.float32, o_layout)
+
+        # The window's masked lower edge, the unmasked blocks, then the masked tail (causal
+        # diagonal / partial last block); without a window the first loop is empty.
+        j_mid = gl.maximum(gl.minimum(n_lofull, n_full) - n_lo, 1)
+        j_tail = gl.maximum(n_full - n_lo, j_mid)
+        if WINDOW:
+            for j in range(1, j_mid):
+                o, p_op, m_i, l_i = _consumer_iter(
+                    g + j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                    turn, o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout,
+                    True, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
+        for j in range(j_mid, j_tail):
+            o, p_op, m_i, l_i = _consumer_iter(
+                g + j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout, False,
+                IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
+        for j in range(j_tail, n_total - n_lo):
+            o, p_op, m_i, l_i = _consumer_iter(
+                g + j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
+                o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout, True,
+                IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
+        return o, p_op, m_i, l_i
+
+    @gluon.jit
+    def _last_pv(jl, p_op, o, v_smem, v_ready, v_empty, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 STAGES: gl.constexpr):
+        """O += P V for the tile's last block (ring iteration jl); returns O."""
+        sl = jl % STAGES
+        mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
+        v2d = v_smem.index(sl).reshape([BLOCK_N, D])
+        o_tok = warpgroup_mma(p_op, v2d, o, is_async=True)
+        o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
+        mbarrier.arrive(v_empty.index(sl), count=1)
+        return o
+
+    @gluon.jit
     def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                   o_desc, lse_ptr, stride_lb, stride_lh, b, h, start_m, n_lo, n_lofull, n_full,
                   n_total, Lq, Lk, window, qk_scale, CID: gl.constexpr, M_WG: gl.constexpr,
@@ -246,55 +320,12 @@ if GLUON_AVAILABLE:
         q_tile = q_smem.index(CID)
         q2d = q_tile.reshape([M_WG, D])
 
-        # Iteration j reads key block n_lo + j (n_lo = 0 without a window).
-        # Block n_lo (always masked: cheap, once), synchronous.
         mbarrier.wait(q_bar, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        k2d = k_smem.index(0).reshape([BLOCK_N, D])
-        if PINGPONG:
-            mbarrier.wait(turn.index(CID), 1 - CID)
-        s_zero = gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout)
-        s_tok = warpgroup_mma(q2d, k2d.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - CID), count=1)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        mbarrier.arrive(k_empty.index(0), count=1)
-        m_i = gl.full([M_WG], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        l_i = gl.zeros([M_WG], gl.float32, gl.SliceLayout(1, s_layout))
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, rows, n_lo * BLOCK_N, Lk, window,
-                                           s_layout, True, IS_CAUSAL, WINDOW, BLOCK_N)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        o = gl.zeros([M_WG, D], gl.float32, o_layout)
-
-        # The window's masked lower edge, the unmasked blocks, then the masked tail (causal
-        # diagonal / partial last block); without a window the first loop is empty.
-        j_mid = gl.maximum(gl.minimum(n_lofull, n_full) - n_lo, 1)
-        j_tail = gl.maximum(n_full - n_lo, j_mid)
-        if WINDOW:
-            for j in range(1, j_mid):
-                o, p_op, m_i, l_i = _consumer_iter(
-                    j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                    turn, o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout,
-                    True, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
-        for j in range(j_mid, j_tail):
-            o, p_op, m_i, l_i = _consumer_iter(
-                j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout, False,
-                IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
-        for j in range(j_tail, n_total - n_lo):
-            o, p_op, m_i, l_i = _consumer_iter(
-                j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
-                o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout, True,
-                IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
-
-        # Last PV.
-        jl = n_total - n_lo - 1
-        sl = jl % STAGES
-        mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
-        v2d = v_smem.index(sl).reshape([BLOCK_N, D])
-        o_tok = warpgroup_mma(p_op, v2d, o, is_async=True)
-        o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-        mbarrier.arrive(v_empty.index(sl), count=1)
+        o, p_op, m_i, l_i = _tile_scores(
+            0, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, rows, n_lo, n_lofull, n_full,
+            n_total, Lk, window, qk_scale, CID, s_layout, o_layout, p_layout, M_WG, BLOCK_N, D, STAGES,
+            IS_CAUSAL, WINDOW, PINGPONG, dtype)
+        o = _last_pv(n_total - n_lo - 1, p_op, o, v_smem, v_ready, v_empty, BLOCK_N, D, STAGES)
 
         # Epilogue: O / l through the Q buffer (dead now) and a TMA store; lse by masked store.
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
@@ -340,13 +371,7 @@ if GLUON_AVAILABLE:
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
+        _init_ring(k_ready, k_empty, v_ready, v_empty, turn, STAGES)
 
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
@@ -444,56 +469,14 @@ if GLUON_AVAILABLE:
             row0 = start_m + CID * M_WG
             rows = row0 + gl.arange(0, M_WG, layout=gl.SliceLayout(1, s_layout))
 
-            # Block n_lo (ring iteration g), synchronous and masked, as in _consumer.
             mbarrier.wait(q_ready, tc & 1)
-            s0 = g % STAGES
-            mbarrier.wait(k_ready.index(s0), (g // STAGES) & 1)
-            k2d = k_smem.index(s0).reshape([BLOCK_N, D])
-            if PINGPONG:
-                mbarrier.wait(turn.index(CID), (g & 1) ^ (1 - CID))
-            s_zero = gl.zeros([M_WG, BLOCK_N], gl.float32, s_layout)
-            s_tok = warpgroup_mma(q2d, k2d.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(1 - CID), count=1)
-            sc = warpgroup_mma_wait(0, deps=[s_tok])
-            mbarrier.arrive(k_empty.index(s0), count=1)
-            m_i = gl.full([M_WG], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([M_WG], gl.float32, gl.SliceLayout(1, s_layout))
-            p, m_i, l_i, alpha = _softmax_step(sc, m_i, l_i, qk_scale, rows, n_lo * BLOCK_N, Lk, window,
-                                               s_layout, True, IS_CAUSAL, WINDOW, BLOCK_N)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            o = gl.zeros([M_WG, D], gl.float32, o_layout)
-
-            j_mid = gl.maximum(gl.minimum(n_lofull, n_full) - n_lo, 1)
-            j_tail = gl.maximum(n_full - n_lo, j_mid)
-            if WINDOW:
-                for j in range(1, j_mid):
-                    o, p_op, m_i, l_i = _consumer_iter(
-                        g + j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready,
-                        v_empty, turn, o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout,
-                        o_layout, p_layout, True, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG,
-                        dtype)
-            for j in range(j_mid, j_tail):
-                o, p_op, m_i, l_i = _consumer_iter(
-                    g + j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                    turn, o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout,
-                    False, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
-            for j in range(j_tail, n_iter):
-                o, p_op, m_i, l_i = _consumer_iter(
-                    g + j, (n_lo + j) * BLOCK_N, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-                    turn, o, p_op, m_i, l_i, qk_scale, rows, Lk, window, CID, s_layout, o_layout, p_layout,
-                    True, IS_CAUSAL, WINDOW, PINGPONG, BLOCK_N, D, STAGES, M_WG, dtype)
+            o, p_op, m_i, l_i = _tile_scores(
+                g, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, rows, n_lo, n_lofull, n_full,
+                n_total, Lk, window, qk_scale, CID, s_layout, o_layout, p_layout, M_WG, BLOCK_N, D, STAGES,
+                IS_CAUSAL, WINDOW, PINGPONG, dtype)
             # Every QK^T of this tile has completed: Q may be overwritten by the next tile's.
             mbarrier.arrive(q_empty, count=1)
-
-            # Last PV.
-            jl = g + n_iter - 1
-            sl = jl % STAGES
-            mbarrier.wait(v_ready.index(sl), (jl // STAGES) & 1)
-            v2d = v_smem.index(sl).reshape([BLOCK_N, D])
-            o_tok = warpgroup_mma(p_op, v2d, o, is_async=True)
-            o, p_op = warpgroup_mma_wait(0, deps=[o_tok, p_op])
-            mbarrier.arrive(v_empty.index(sl), count=1)
+            o = _last_pv(g + n_iter - 1, p_op, o, v_smem, v_ready, v_empty, BLOCK_N, D, STAGES)
 
             # Epilogue through this consumer's O buffer: the previous tile's store from it must
             # have read it; this tile's store completes while the next tile runs.
@@ -533,13 +516,7 @@ if GLUON_AVAILABLE:
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         mbarrier.init(q_empty, count=2)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_empty.index(i), count=2)
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
+        _init_ring(k_ready, k_empty, v_ready, v_empty, turn, STAGES)
 
         gl.warp_specialize([
             (_consumer_p, (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
