@@ -189,6 +189,18 @@ def visible_gpus() -> list[str]:
     return (given or [str(i) for i in range(n)])[:n]
 
 
+def worker_env(i: int, gpus: list, at_once: int, keep_threads: bool) -> dict:
+    """The environment of the i-th of a batch of processes run ``at_once``: its share of the cores
+    for Inductor's compile threads and OpenMP (``keep_threads``: only where not set already), and,
+    with several GPUs, its GPU round-robin."""
+    env, share = dict(os.environ), str(max(1, (os.cpu_count() or 1) // max(1, at_once)))
+    for name in ("TORCHINDUCTOR_COMPILE_THREADS", "OMP_NUM_THREADS"):
+        env[name] = env.get(name, share) if keep_threads else share
+    if len(gpus) > 1:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+    return env
+
+
 def wait_for_turn(prefix: str, reserved_gb: float) -> None:
     """A worker's side of ``run_waves``: say ``<prefix>.built`` (with the GPU memory it holds), then
     wait for ``<prefix>.go``; exit when the parent is gone (nobody would give the turn)."""
@@ -223,7 +235,6 @@ def run_waves(order: list, argv_of, parallel: int, deadline: float, missing, pro
 
     sync_dir = tempfile.mkdtemp(prefix="bench_waves_")
     gpus = visible_gpus()
-    share = str(max(1, (os.cpu_count() or 1) // max(1, parallel)))
     done: dict = {}
 
     def finish(row, i, proc, why=None):
@@ -252,12 +263,8 @@ def run_waves(order: list, argv_of, parallel: int, deadline: float, missing, pro
         procs = []
         for row in wave:
             i = index[row]
-            env = dict(os.environ)
-            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", share)
-            env.setdefault("OMP_NUM_THREADS", share)
+            env = worker_env(i, gpus, parallel, keep_threads=True)
             env["BENCH_WAVES_PARENT"] = str(os.getpid())  # a worker whose parent is gone stops waiting
-            if len(gpus) > 1:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
             with open(f"{sync_dir}/{i}.log", "w") as log:
                 procs.append(subprocess.Popen(argv_of(row, f"{sync_dir}/{i}"), stdout=log,
                                               stderr=subprocess.STDOUT, env=env))
@@ -305,7 +312,7 @@ def prepass(argvs: list, n: int, deadline: float, log_dir: str | None = None) ->
     import tempfile
 
     log_dir = log_dir or tempfile.mkdtemp(prefix="bench_prepass_")
-    gpus, share = visible_gpus(), str(max(1, (os.cpu_count() or 1) // max(1, n)))
+    gpus = visible_gpus()
     t0, pending, running, failed, cut = time.perf_counter(), list(enumerate(argvs)), [], 0, 0
     while pending or running:
         for item in list(running):
@@ -314,9 +321,7 @@ def prepass(argvs: list, n: int, deadline: float, log_dir: str | None = None) ->
                 failed += item[1].returncode != 0
         while pending and len(running) < max(1, n) and time.perf_counter() < deadline:
             i, argv = pending.pop(0)
-            env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=share, OMP_NUM_THREADS=share)
-            if len(gpus) > 1:
-                env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+            env = worker_env(i, gpus, n, keep_threads=False)
             with open(f"{log_dir}/{i}.log", "w") as log:
                 running.append((i, subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)))
         if time.perf_counter() >= deadline:
