@@ -10,7 +10,7 @@
 # 3. e2e.py --sliding-window 4096 at 1x16384 (E2E=0 skips): HF's sdpa path compiled against the
 #    plugin on it and on eager attention, training and inference: $OUT/e2e_window.md;
 # 4. with PEERS=1, window_peers.py: the window's cost over r x causal for ours, FlexAttention and
-#    cuDNN's own window (through JAX), after the persistent forward's opt-in test (its rows only if
+#    cuDNN's own window (through JAX), after the persistent forward's GPU test (its rows only if
 #    it passed): $OUT/window_peers.{json,md,log}, persistent_test.log; WINDOW=0 skips 2
 #    (PEERS=1 HANG=0 WINDOW=0 E2E=0: the peers alone).
 # Prints the hang lines, the check lines and any errors, then the tables last.
@@ -25,8 +25,8 @@ if [ "${WINDOW:-1}" != 0 ]; then
   echo "window.py rc=$? in $(( $(date +%s) - start )) s"
 fi
 if [ "${PEERS:-0}" != 0 ]; then  # 4. window_peers.py: the window against each kernel's own causal
-  # the persistent forward's rows only once its test passed, alone, under a timeout (a barrier bug hangs)
-  RUN_PERSISTENT_FWD_TEST=1 timeout ${PERSIST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider \
+  # the persistent forward's rows only once its test passed, alone, under a timeout (a barrier bug would hang)
+  timeout ${PERSIST_LIMIT:-240} python3 -m pytest -q -p no:cacheprovider \
       tests/test_window.py -k persistent > "$OUT/persistent_test.log" 2>&1
   prc=$?
   echo "persistent forward test rc=$prc: $(tail -1 "$OUT/persistent_test.log" | cut -c1-150)"

@@ -12,9 +12,10 @@ tile's fixed costs (Q load, pipeline fill, epilogue) weigh 2-4x more in the wind
 51). This script measures r-normalised window cost for each implementation against its own causal:
 
   ours       our launchers (kernels/attention.py), the registry's family: causal (cuDNN on an
-             H100, stop 35), causal with the Gluon family forced, the window (Gluon there); and
-             the persistent Gluon forward (stop 36, not chosen by the registry) on the causal and
-             window problems, with the same backward ("causal-persistent", "window-persistent");
+             H100, stop 35), causal with the Gluon family forced, the window (Gluon there; its
+             forward the persistent kernel from registry.GLUON_PERSISTENT_MIN_TILES tiles, stop 37);
+             and the persistent Gluon forward forced on the causal and window problems, with the
+             same backward ("causal-persistent", "window-persistent");
   flex       PyTorch's FlexAttention (torch.compile'd flex_attention) with a block mask from
              the causal / causal-window mask_mod (its kernels skip the blocks the mask hides);
   cudnn-jax  cuDNN's own sliding window (``sliding_window_length``) and causal through
@@ -161,8 +162,8 @@ def ours_cases(q, k, v, W, bench, persistent: bool = True) -> dict:
             out[case] = {"fwd": r["fwd"], "train": r["fwd"] + r["bwd"], "family": r["family"], "bwd": r["bwd"]}
         except Exception as e:  # noqa: BLE001  e.g. the Gluon family on a GPU without it
             out[case] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
-    # The persistent Gluon forward (stop 36, not chosen by the registry) with the same backward:
-    # "causal-persistent" (own causal of "window-persistent").
+    # The persistent Gluon forward forced (the registry takes it for wide windows only) with the same
+    # backward: "causal-persistent" (own causal of "window-persistent").
     for case, w, base in (("causal-persistent", 0, "causal-gluon"), ("window-persistent", W, "window")):
         if not persistent or "bwd" not in out.get(base, {}):
             continue

@@ -665,7 +665,8 @@ def _gluon_why_not() -> str | None:
 
 
 GLUON_CONFIGS = {"pingpong-128x128-2": (128, 128, 4, 2, False, "gluon_pingpong"),
-                 "128x64-4": (128, 64, 4, 4, False, "gluon")}
+                 "128x64-4": (128, 64, 4, 4, False, "gluon"),
+                 "persistent-128x128-2": (128, 128, 4, 2, False, "gluon_persistent")}
 GLUON_BWD_CONFIGS = {"64x128-2": (64, 128, 8, 2, False, "gluon"),
                      "lpt-64x128-2": (64, 128, 8, 2, False, "gluon_lpt")}
 
@@ -674,12 +675,13 @@ GLUON_BWD_CONFIGS = {"64x128-2": (64, 128, 8, 2, False, "gluon"),
 @pytest.mark.parametrize("cfg", list(GLUON_CONFIGS.values()), ids=list(GLUON_CONFIGS))
 @pytest.mark.parametrize("case", list(TMA_CASES.values()), ids=list(TMA_CASES))
 def test_gluon_forward_matches_reference(monkeypatch, case, cfg):
-    """The warp-specialised Gluon forward on the TMA kernels' cases (GQA, transposed layout,
-    Lq != Lk both ways, one query), its outputs poisoned with NaN beforehand (an unwritten
-    element fails); the backward runs from its out / lse."""
+    """The warp-specialised Gluon forward (per tile, and persistent) on the TMA kernels' cases (GQA,
+    transposed layout, Lq != Lk both ways, one query), its outputs poisoned with NaN beforehand (an
+    unwritten element fails); the backward runs from its out / lse."""
     monkeypatch.setattr(host, "empty", poisoned_empty)
-    spy = _LaunchSpy(Hop.gluon_fwd.attention_fwd_gluon_kernel)
-    monkeypatch.setattr(Hop.gluon_fwd, "attention_fwd_gluon_kernel", spy)
+    name = "attention_fwd_gluon_persistent_kernel" if cfg[5] == "gluon_persistent" else "attention_fwd_gluon_kernel"
+    spy = _LaunchSpy(getattr(Hop.gluon_fwd, name))
+    monkeypatch.setattr(Hop.gluon_fwd, name, spy)
     run_case(**(case | dict(config=cfg)))
     assert spy.launches == 1
 

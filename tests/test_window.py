@@ -5,7 +5,6 @@ instead of a bias.
 Kernels on the CPU run in Triton's interpreter (tiny shapes, fp32, against a float64 band-mask
 reference); the rewrite's tests run the op's CPU reference. Timings are in benchmarks/window.py."""
 import math
-import os
 
 import pytest
 import torch
@@ -190,20 +189,12 @@ PERSISTENT_CASES = GLUON_WINDOW_CASES + [  # (Lq, Lk, window (0: causal; -1: no 
 ]
 
 
-# Not yet run on a GPU (stop 36): a wrong barrier phase hangs the GPU, and a hung kernel would take the
-# whole GPU suite's call with it; run alone, with a timeout, until it has passed once:
-#   RUN_PERSISTENT_FWD_TEST=1 timeout 300 python -m pytest -q tests/test_window.py -k persistent
-_PERSISTENT_WHY_NOT = _gluon_why_not() or (
-    None if os.environ.get("RUN_PERSISTENT_FWD_TEST") == "1" else
-    "the persistent Gluon forward has not run on a GPU yet: set RUN_PERSISTENT_FWD_TEST=1 and run it alone "
-    "with a timeout (a barrier bug hangs the GPU)")
-
-
-@pytest.mark.skipif(_PERSISTENT_WHY_NOT is not None, reason=str(_PERSISTENT_WHY_NOT))
+@pytest.mark.skipif(_gluon_why_not() is not None, reason=str(_gluon_why_not()))
 @pytest.mark.parametrize("lq, lk, window, hq, hkv, d", PERSISTENT_CASES)
 def test_gluon_persistent_forward_matches_the_reference(lq, lk, window, hq, hkv, d):
-    """The persistent Gluon forward (one program per SM walking tiles; stop 36, not chosen by the
-    registry) against float64: out and lse poisoned with NaN first."""
+    """The persistent Gluon forward (one program per SM walking tiles; the registry's pick for wide
+    windowed problems) against float64: out and lse poisoned with NaN first. (It first ran alone
+    under a timeout, as a barrier bug would hang the GPU: 11 passed on an H100, stop 37.)"""
     from fuse_plugin.kernels import attention_fwd_gluon as gf
     from helpers import poisoned_empty
 
@@ -260,6 +251,34 @@ def test_gluon_takes_the_window_only_where_measured(monkeypatch, window, d, want
     assert registry.choose(chunked)[0].name == "general"
     with registry.forced("gluon"), pytest.raises(registry.FamilyError, match="it takes no chunks"):
         registry.choose(chunked)
+
+
+@pytest.mark.parametrize("heads, lq, window, stages, persistent", [
+    (32, 16384, 4096, 2, True),    # 4096 query tiles: measured 0.94x the per-tile forward (H100, stop 37)
+    (16, 32768, 4096, 2, True),    # 4096 tiles: 0.91x
+    (16, 16384, 4096, 2, False),   # 2048 tiles: 1.02x, the per-tile kernel kept
+    (32, 16384, 0, 2, False),      # causal without a window: the persistent kernel measured slower
+    (32, 16384, 4096, 3, False),   # 3 K/V stages and the O buffer do not fit an H100's shared memory
+])
+def test_the_gluon_forward_runs_wide_windows_persistent(monkeypatch, heads, lq, window, stages, persistent):
+    """The Gluon forward's tiles for a windowed call: the persistent kernel (one program per SM)
+    from GLUON_PERSISTENT_MIN_TILES query tiles, where it measured faster; a caller's config as given."""
+    from fuse_plugin.kernels import attention_hopper as hopper
+    from fuse_plugin.kernels.attention_config import gluon_variant
+
+    entry = AttentionConfig(128, 128, 4, stages, False, "gluon")
+    monkeypatch.setattr(registry, "table_config", lambda *a: entry)
+    q = torch.zeros(1, heads, lq, 128, device="meta", dtype=torch.bfloat16)
+    call = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.1, window=window)
+    cfg = registry.FAMILIES["fwd"]["gluon"].config(call)
+    assert (cfg.kernel == "gluon_persistent") == persistent, cfg
+    assert cfg[:4] == entry[:4]
+    var = gluon_variant(cfg)
+    assert var.persistent == persistent and hopper.gluon_fwd.variant_fits(var, 128)
+    if persistent:
+        assert var.pingpong and (var.m_wg, var.block_n, var.stages) == (64, 128, 2)
+    given = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.1, window=window, config=entry)
+    assert registry.FAMILIES["fwd"]["gluon"].config(given) == entry
 
 
 def test_window_area_and_flops():

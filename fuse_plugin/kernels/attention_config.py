@@ -39,7 +39,8 @@ class AttentionConfig(NamedTuple):
     both directions; "two_kernel" and "tma_pair" are backward only ("tma_pair": the dK/dV
     kernel's tiles, and ``dq_tile`` = (block_m, block_n, num_warps, num_stages) of its dQ kernel,
     the same tiles when None); "gluon" / "gluon_pingpong" (forward: ``block_m`` = 2 consumer
-    warpgroups x 64 or 128 rows, ``block_n`` 64 or 128, ``num_stages`` K/V buffers) and "gluon" /
+    warpgroups x 64 or 128 rows, ``block_n`` 64 or 128, ``num_stages`` K/V buffers;
+    "gluon_persistent": the ping-pong tiles in the persistent kernel, one program per SM) and "gluon" /
     "gluon_lpt" (backward: one of attention_bwd_gluon.VARIANTS). A config given by the caller
     forces its family (an error when it cannot run the call); a table entry is the measured pick
     for its key, which the registry falls back from where the family cannot run the call."""
@@ -59,10 +60,10 @@ class AttentionConfig(NamedTuple):
 
 
 KERNEL_VARIANTS = ("general", "tma", "two_kernel", "tma_pair", "gluon", "gluon_pingpong",
-                   "gluon_lpt")
-GLUON_FWD_KERNELS = ("gluon", "gluon_pingpong")
+                   "gluon_persistent", "gluon_lpt")
+GLUON_FWD_KERNELS = ("gluon", "gluon_pingpong", "gluon_persistent")
 GLUON_BWD_KERNELS = ("gluon", "gluon_lpt")
-KERNELS_OF = {"fwd": ("general", "tma", "gluon", "gluon_pingpong"),
+KERNELS_OF = {"fwd": ("general", "tma", "gluon", "gluon_pingpong", "gluon_persistent"),
                "bwd": ("general", "tma", "two_kernel", "tma_pair", "gluon", "gluon_lpt")}
 # The atomic-free backward pairs (deterministic by construction).
 PAIR_KERNELS = ("two_kernel", "tma_pair")
@@ -240,8 +241,9 @@ def table_config(direction: str, q: torch.Tensor, D: int, Dv: int, causal: bool,
 
 
 def gluon_variant(cfg: AttentionConfig) -> "gluon_fwd.GluonFwdVariant":
+    persistent = cfg.kernel == "gluon_persistent"
     return gluon_fwd.GluonFwdVariant(cfg.block_m // 2, cfg.block_n, cfg.num_stages,
-                                     cfg.kernel == "gluon_pingpong")
+                                     cfg.kernel == "gluon_pingpong" or persistent, persistent=persistent)
 
 
 def gluon_bwd_variant(cfg: AttentionConfig) -> str:

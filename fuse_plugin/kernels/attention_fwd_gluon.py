@@ -38,8 +38,9 @@ kernels/attention.py reaches this kernel through ``launch_forward_gluon`` (Atten
 
 ``GluonFwdVariant(persistent=True)`` launches ``attention_fwd_gluon_persistent_kernel`` instead: one
 program per SM walking the tiles, the next tile's loads and the O store overlapping a tile's end
-(for the window's short tiles, NOTES attempt 53). Not yet run on a GPU (stop 36): the registry never
-chooses it; its GPU test is opt-in (tests/test_window.py, RUN_PERSISTENT_FWD_TEST=1).
+(for the window's short tiles, NOTES attempt 53). The registry takes it (kernel "gluon_persistent")
+for sliding windows over many query tiles, where it measured faster (registry.
+GLUON_PERSISTENT_MIN_TILES; H100, stop 37); causal without a window it measured slower.
 
 No softcap (Gemma 2 / Grok logit softcapping): the launcher (kernels/attention.py,
 ``_softcap_config``) never picks this kernel for a softcapped call; the general kernels take it.
@@ -78,7 +79,7 @@ class GluonFwdVariant(NamedTuple):
     cons_regs: int = 240    # registers per thread of the worker consumer warpgroup
     load_regs: int = 24     # registers per thread of the producer warp
     maxnreg: int = 168      # launch register limit (default partition gets the remainder)
-    persistent: bool = False  # one program per SM walking tiles (not yet run on a GPU, stop 36)
+    persistent: bool = False  # one program per SM walking tiles (AttentionConfig kernel "gluon_persistent")
 
 
 # Named variants offered to the GPU sweep (head dims each compiles for without spills, checked by
@@ -393,8 +394,8 @@ if GLUON_AVAILABLE:
     # tile's Q and first K/V blocks while the consumers finish the current tile's last PV and its
     # epilogue, and the epilogue's O store (through a buffer of its own, not Q's) completes during
     # the next tile. The K/V ring's slots and phases, and the ping-pong turns, count iterations
-    # across tiles (``g``). NOT YET RUN ON A GPU (stop 36): variant ``persistent=True`` only, never
-    # chosen by the registry; benchmarks/window_peers.py times it against the per-tile kernel.
+    # across tiles (``g``). Checked against float64 on an H100 (tests/test_window.py, stop 37);
+    # benchmarks/window_peers.py times it against the per-tile kernel.
 
     @gluon.jit
     def _tile(t, n_m, Hq, kv_group, BLOCK_M: gl.constexpr):

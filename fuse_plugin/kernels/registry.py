@@ -51,7 +51,8 @@ from . import attention_small
 from . import choice_table, host
 from .attention_config import (GLUON_BWD_KERNELS, GLUON_FWD_KERNELS, PAIR_KERNELS, AttentionConfig,
                                backward_config, deterministic_backward_config, fit_smem,
-                               forward_config, rope_adjust, table_config, tma_pair_fallback)
+                               forward_config, gluon_variant, rope_adjust, table_config,
+                               tma_pair_fallback)
 from .host import in_layout_of
 from .launch import hint
 
@@ -290,6 +291,27 @@ def band_runners(direction: str, window: int, chunk: int, documents: bool, head_
     return frozenset(names)
 
 
+# The persistent Gluon forward (one program per SM walking the tiles; kernel "gluon_persistent")
+# against the per-tile one on a sliding window (H100, bf16, D 128, window 4096, 2026-11-27,
+# benchmarks/window_peers.py): forward 0.94x / 0.91x / 0.89x at 4096 and 8192 query tiles of 128
+# rows (B x Hq x Lq / 128: 32 heads at 16k, 16 and 32 heads at 32k), 1.02x at 2048 (16 heads at
+# 16k). Causal without a window it ran 0.99-1.38x the per-tile kernel (whose launch order gives
+# the long tiles first): taken for windows from this many tiles only.
+GLUON_PERSISTENT_MIN_TILES = 4096
+
+
+def _persistent_for_window(call, cfg: AttentionConfig) -> AttentionConfig:
+    """The Gluon forward's tiles for the call: a sliding window over enough query tiles runs them in
+    the persistent kernel (measured above); a config the caller gave is kept as it is."""
+    if not call.window or call.config is not None or cfg.kernel == "gluon_persistent":
+        return cfg
+    B, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
+    if hint(B) * hint(Hq) * -(-hint(Lq) // cfg.block_m) < GLUON_PERSISTENT_MIN_TILES:
+        return cfg
+    persistent = cfg._replace(kernel="gluon_persistent")  # its O staging buffer must fit beside the ring
+    return persistent if attention_hopper.gluon_fwd.variant_fits(gluon_variant(persistent), D) else cfg
+
+
 def _gluon_window(call) -> Optional[str]:
     """Why not the call's sliding window (with Lq <= Lk only); asked after the TMA checks, which
     refuse symbolic lengths."""
@@ -315,7 +337,9 @@ class GluonForward(Family):
 
     def config(self, call):
         entry = _entry(call)
-        return entry if entry.kernel in GLUON_FWD_KERNELS else attention_hopper.GLUON_FORWARD_DEFAULT
+        if entry.kernel not in GLUON_FWD_KERNELS:
+            entry = attention_hopper.GLUON_FORWARD_DEFAULT
+        return _persistent_for_window(call, entry)
 
     def run(self, call, cfg, out_layout):
         result = attention_hopper.run_forward_gluon(call, cfg, out_layout)
