@@ -701,6 +701,25 @@ def test_gluon_backward_matches_reference(monkeypatch, case, cfg):
     assert spy.launches == 1
 
 
+@pytest.mark.skipif(_gluon_why_not() is not None, reason=str(_gluon_why_not()))
+def test_gluon_backward_reads_dout_and_out_by_their_strides():
+    """The Gluon backward takes out and dout in the op's output layout ((B, L, H, D) memory) without
+    a copy, and copies a dout TMA cannot read (the broadcast gradient of ``out.sum()``): the
+    gradients equal those from contiguous inputs (up to the order of dQ's atomic adds)."""
+    torch.manual_seed(0)
+    B, H, L, D = 2, 4, 200, 128
+    q, k, v = (torch.randn(B, L, H, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    out, lse = Hop.gluon_fwd.attention_forward_gluon(q, k, v, is_causal=True, scale=D ** -0.5)
+    strided_out = torch.empty(B, L, H, D, device=DEVICE, dtype=out.dtype).transpose(1, 2).copy_(out)
+    kw = dict(is_causal=True, scale=D ** -0.5)
+    for dout in (torch.randn(B, L, H, D, device=DEVICE, dtype=out.dtype).transpose(1, 2),
+                 torch.ones((), device=DEVICE, dtype=out.dtype).expand(B, H, L, D)):
+        got = Hop.gluon_bwd.attention_backward_gluon(dout, q, k, v, strided_out, lse, **kw)
+        want = Hop.gluon_bwd.attention_backward_gluon(dout.contiguous(), q, k, v, out, lse, **kw)
+        for g, w in zip(got, want):
+            assert rel_err(g, w) < 1e-3
+
+
 def test_gluon_backward_pre_and_post_kernels():
     """The Gluon backward's plain-Triton kernels (run here too, by the interpreter on the CPU):
     Delta and lse * log2(e) per row into buffers padded to whole query blocks (padding rows 0 and

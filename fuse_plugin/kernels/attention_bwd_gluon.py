@@ -529,6 +529,13 @@ def _aligned16(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1)
 
 
+def _tma_readable(t: torch.Tensor) -> bool:
+    """Can a TMA descriptor read t as it is: unit last stride, 16-byte aligned base and strides, no
+    zero stride over a dim of size > 1 (a broadcast dout, e.g. of ``out.sum()``)."""
+    return (t.stride(-1) == 1 and _aligned16(t)
+            and all(st > 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1))
+
+
 def why_not_gluon_backward(q, k, v, out, dout, is_causal, scale, window: int = 0) -> Optional[str]:
     """None when attention_backward_gluon handles these inputs, else the reason it refuses."""
     if not GLUON_AVAILABLE:
@@ -617,6 +624,9 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     _, Hkv, Lk, _ = k.shape
     if tuple(lse.shape) != (B, Hq, Lq):
         raise ValueError(f"lse must be (B, Hq, Lq) = {(B, Hq, Lq)}, got {tuple(lse.shape)}")
+    # dout is read through a TMA descriptor by its strides ((B, Lq, Hq, D) memory from the op's
+    # output layout, no copy); out only by the preprocess kernel's pointers, any strides
+    dout = dout if _tma_readable(dout) else dout.contiguous()
     cfg = variant_config(variant, D)
     BM, BN = cfg["BLOCK_M"], cfg["BLOCK_N"]
     dev = q.device

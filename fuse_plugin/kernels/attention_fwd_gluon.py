@@ -615,7 +615,9 @@ def attention_forward_gluon(q, k, v, *, is_causal: bool, scale: float, variant=N
                             lse=None, window: int = 0):
     """(out (B, Hq, Lq, D) in q's dtype, lse (B, Hq, Lq) fp32 natural log). ``variant``: a name
     in VARIANTS, a GluonFwdVariant, or None (DEFAULT_VARIANTS by head dim). ``out`` / ``lse``:
-    optional preallocated contiguous outputs (tests poison them to catch unwritten elements).
+    optional preallocated outputs (tests poison them to catch unwritten elements); ``out`` in any
+    layout with a unit last stride (its TMA descriptor takes its strides: the op passes (B, Lq,
+    Hq, D) memory seen transposed, its own output layout), ``lse`` with a unit last stride.
     ``window``: a sliding window (with is_causal, Lq <= Lk; 0 = none): query i sees keys
     i - window < j <= i, and the blocks before its window are not visited."""
     why = why_not_gluon_forward(q, k, v, is_causal, scale, window)
@@ -630,7 +632,7 @@ def attention_forward_gluon(q, k, v, *, is_causal: bool, scale: float, variant=N
         out = torch.empty((B, Hq, Lq, D), dtype=q.dtype, device=q.device)
     if lse is None:
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(3) == 1  # TMA-stored: any strides
     assert lse.shape == (B, Hq, Lq) and lse.dtype == torch.float32 and lse.stride(2) == 1
     launch_forward_gluon(q, k, v, out, lse, is_causal, scale, var, window)
     return out, lse
@@ -652,7 +654,8 @@ def why_not_window(Lq: int, Lk: int, is_causal: bool, window: int) -> Optional[s
 def launch_forward_gluon(q, k, v, out, lse, is_causal, scale, var: GluonFwdVariant,
                          window: int = 0) -> None:
     """The launch alone, for callers that have checked the problem (kernels/attention.py):
-    out contiguous (B, Hq, Lq, D) and lse (B, Hq, Lq) fp32 with unit last stride."""
+    out (B, Hq, Lq, D) with a unit last stride (any layout: TMA-stored) and lse (B, Hq, Lq) fp32 with
+    unit last stride."""
     grid, args, kwargs = _launch_args(q, k, v, out, lse, is_causal, scale, var, window)
     kernel = attention_fwd_gluon_persistent_kernel if var.persistent else attention_fwd_gluon_kernel
     kernel[grid](*args, **kwargs)

@@ -241,7 +241,8 @@ def run_forward_gluon(call, cfg: AttentionConfig, out_layout):
             q, k, v, call.is_causal, float(call.scale), cfg.block_m, cfg.block_n, cfg.num_stages,
             cfg.kernel, window=call.window)
         return out_layout(o), lse
-    o = host.empty((B, Hq, Lq, Dv), q.dtype, q.device)
+    # written by its TMA stores straight into the op's layout (B, Lq, Hq, Dv): no copy after it
+    o = host.empty((B, Lq, Hq, Dv), q.dtype, q.device).transpose(1, 2)
     lse = host.empty((B, Hq, Lq), torch.float32, q.device)
     try:
         gluon_fwd.launch_forward_gluon(q, k, v, o, lse, call.is_causal, call.scale, gluon_variant(cfg),
@@ -258,27 +259,19 @@ def run_forward_gluon(call, cfg: AttentionConfig, out_layout):
 
 
 def run_backward_gluon(call, cfg: AttentionConfig):
-    """The Gluon backward (it reads out and dout contiguous; its gradients are contiguous)."""
+    """The Gluon backward (it reads out and dout by their strides, copying a dout that TMA cannot
+    read; its gradients are contiguous)."""
     q, k, v = call.q, call.k, call.v
-    out_c, dout_c = _contiguous(call.out), _contiguous(call.dout)
     variant = gluon_bwd_variant(cfg)
     if is_tracing():  # as in the forward: one opaque op
         grads = torch.ops.fuse_plugin.gluon_attention_backward(
-            dout_c, q, k, v, out_c, call.lse, call.is_causal, float(call.scale), variant,
+            call.dout, q, k, v, call.out, call.lse, call.is_causal, float(call.scale), variant,
             call.group_split or 0, window=call.window)
     else:
         grads = gluon_bwd.attention_backward_gluon(
-            dout_c, q, k, v, out_c, call.lse, is_causal=call.is_causal, scale=call.scale,
+            call.dout, q, k, v, call.out, call.lse, is_causal=call.is_causal, scale=call.scale,
             variant=variant, group_split=call.group_split, window=call.window)
     return (*(in_layout_of(g, x) for g, x in zip(grads, call.inputs)), None)
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t.contiguous()``, spelt as the copy op itself (``aten._to_copy``), which, unlike clone,
-    also traces on fake CUDA tensors in a CPU build of torch (tests/inductor_trace.py)."""
-    if t.is_contiguous():
-        return t
-    return torch.ops.aten._to_copy(t, memory_format=torch.contiguous_format)
 
 
 def run_backward_tma(call, cfg: AttentionConfig):

@@ -39,7 +39,7 @@ def _forward(q, k, v, is_causal, scale, block_m, block_n, num_stages, kernel, wi
     from ..kernels.attention_config import AttentionConfig, gluon_variant
 
     B, Hq, Lq, _ = q.shape
-    out = torch.empty((B, Hq, Lq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    out = torch.empty((B, Lq, Hq, v.shape[-1]), dtype=q.dtype, device=q.device).transpose(1, 2)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=q.device)
     cfg = AttentionConfig(block_m, block_n, 4, num_stages, False, kernel)
     gluon_fwd.launch_forward_gluon(q, k, v, out, lse, is_causal, scale, gluon_variant(cfg), window)
@@ -57,7 +57,7 @@ def _backward(dout, q, k, v, out, lse, is_causal, scale, variant, group_split, w
 @torch.library.register_fake("fuse_plugin::gluon_attention_forward", lib=_LIB)
 def _(q, k, v, is_causal, scale, block_m, block_n, num_stages, kernel, window=0):
     B, Hq, Lq, _ = q.shape
-    return (q.new_empty((B, Hq, Lq, v.shape[-1])),
+    return (q.new_empty((B, Lq, Hq, v.shape[-1])).transpose(1, 2),
             q.new_empty((B, Hq, Lq), dtype=torch.float32))
 
 
