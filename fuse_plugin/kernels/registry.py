@@ -292,11 +292,11 @@ def band_runners(direction: str, window: int, chunk: int, documents: bool, head_
 
 
 # The persistent Gluon forward (one program per SM walking the tiles; kernel "gluon_persistent")
-# against the per-tile one on a sliding window (H100, bf16, D 128, window 4096, 2026-11-27,
-# benchmarks/window_peers.py): forward 0.94x / 0.91x / 0.89x at 4096 and 8192 query tiles of 128
-# rows (B x Hq x Lq / 128: 32 heads at 16k, 16 and 32 heads at 32k), 1.02x at 2048 (16 heads at
-# 16k). Causal without a window it ran 0.99-1.38x the per-tile kernel (whose launch order gives
-# the long tiles first): taken for windows from this many tiles only.
+# against the per-tile one on a sliding window (H100, bf16, D 128, window 4096, 2026-11-27, both
+# through the op's launcher, benchmarks/window_forward.py): forward 0.98-0.99x at 4096
+# and 8192 query tiles of 128 rows (B x Hq x Lq / 128: 32 heads at 16k, 16 and 32 heads at 32k),
+# 1.08x at 2048 (16 heads at 16k). Causal without a window it ran 0.99-1.38x the per-tile kernel
+# (whose launch order gives the long tiles first): taken for windows from this many tiles only.
 GLUON_PERSISTENT_MIN_TILES = 4096
 
 
