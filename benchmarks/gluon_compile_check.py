@@ -4,7 +4,10 @@ registers and spills for each specialisation.
 
     pip download --no-deps triton==3.6.0 -d /tmp/t36whl
     pip install --no-deps --target /tmp/t36 /tmp/t36whl/triton-3.6.0-*.whl
-    PYTHONPATH=/tmp/t36 python benchmarks/gluon_compile_check.py [--strict]
+    PYTHONPATH=/tmp/t36 python benchmarks/gluon_compile_check.py [--strict] [--ptx DIR]
+
+``--ptx DIR`` also writes each specialisation's PTX there (one file per line printed): a
+refactor's PTX compared before and after, modulo virtual register names and debug lines.
 
 compile_check.py does the same for the Triton kernels with the installed Triton; the Gluon API
 moves between releases, so these kernels need 3.6 beside whatever CI runs (3.9 here). A kernel's
@@ -42,6 +45,7 @@ from fuse_plugin.kernels import attention_bwd_gluon as gb  # noqa: E402
 from fuse_plugin.kernels import attention_fwd_gluon as gf  # noqa: E402
 
 STRICT = "--strict" in sys.argv  # a spill fails the check too
+PTX_DIR = sys.argv[sys.argv.index("--ptx") + 1] if "--ptx" in sys.argv else None
 
 # The active driver's place, taken by an sm_90 GPU that does not exist (compiling needs no device).
 DRIVER = SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32), get_current_device=lambda: 0,
@@ -73,6 +77,10 @@ def compile_one(name: str, kernel, grid, args, kwargs) -> bool:
         print(f"{name:52} FAIL {type(e).__name__}: {str(e)[:1500]}", flush=True)
         return False
     info = ptxas_lines(c.asm["ptx"])
+    if PTX_DIR:
+        os.makedirs(PTX_DIR, exist_ok=True)
+        with open(os.path.join(PTX_DIR, re.sub(r"[^\w.=-]+", "_", name) + ".ptx"), "w") as f:
+            f.write(c.asm["ptx"])
     spilled = sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", info))
     print(f"{name:52} ok {time.time() - t0:4.1f} s, shared {c.metadata.shared} B | {info}", flush=True)
     return "ptxas failed" not in info and not (spilled and STRICT)

@@ -231,9 +231,17 @@ if GLUON_AVAILABLE:
         return o, p_op, m_i, l_i
 
     @gluon.jit
-    def _init_ring(k_ready, k_empty, v_ready, v_empty, turn, STAGES: gl.constexpr):
-        """The K/V ring's barriers (ready: the producer's TMA; empty: both consumers) and the two
-        ping-pong turns."""
+    def _kv_ring(k_desc, v_desc, STAGES: gl.constexpr):
+        """The K/V ring in shared memory (STAGES K and V tiles), its barriers (ready: the producer's
+        TMA; empty: both consumers) and the two ping-pong turns, initialised."""
+        dtype: gl.constexpr = k_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -241,6 +249,7 @@ if GLUON_AVAILABLE:
             mbarrier.init(v_empty.index(i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(turn.index(i), count=1)
+        return k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn
 
     @gluon.jit
     def _tile_scores(g, q2d, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, rows, n_lo, n_lofull,
@@ -361,18 +370,9 @@ if GLUON_AVAILABLE:
 
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape,
-                                           k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape,
-                                           v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        _init_ring(k_ready, k_empty, v_ready, v_empty, turn, STAGES)
+        k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn = _kv_ring(k_desc, v_desc, STAGES)
 
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
@@ -506,18 +506,11 @@ if GLUON_AVAILABLE:
         dtype: gl.constexpr = q_desc.dtype
         q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
         o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         mbarrier.init(q_empty, count=2)
-        _init_ring(k_ready, k_empty, v_ready, v_empty, turn, STAGES)
+        k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn = _kv_ring(k_desc, v_desc, STAGES)
 
         gl.warp_specialize([
             (_consumer_p, (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
