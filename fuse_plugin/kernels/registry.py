@@ -303,7 +303,7 @@ GLUON_PERSISTENT_MIN_TILES = 4096
 def _persistent_for_window(call, cfg: AttentionConfig) -> AttentionConfig:
     """The Gluon forward's tiles for the call: a sliding window over enough query tiles runs them in
     the persistent kernel (measured above); a config the caller gave is kept as it is."""
-    if not call.window or call.config is not None or cfg.kernel == "gluon_persistent":
+    if not call.window or call.config is not None:
         return cfg
     B, Hq, Lq, D, Hkv, Lk, Dv = call.sizes
     if hint(B) * hint(Hq) * -(-hint(Lq) // cfg.block_m) < GLUON_PERSISTENT_MIN_TILES:
