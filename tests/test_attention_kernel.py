@@ -705,10 +705,22 @@ def test_gluon_backward_matches_reference(monkeypatch, case, cfg):
 def test_gluon_backward_reads_dout_and_out_by_their_strides():
     """The Gluon backward takes out and dout in the op's output layout ((B, L, H, D) memory) without
     a copy, and copies a dout TMA cannot read (the broadcast gradient of ``out.sum()``): the
-    gradients equal those from contiguous inputs (up to the order of dQ's atomic adds)."""
+    gradients equal those from contiguous inputs (up to the order of dQ's atomic adds), and come
+    laid out as q, k, v (also through the GQA split's sum kernel)."""
     torch.manual_seed(0)
     B, H, L, D = 2, 4, 200, 128
     q, k, v = (torch.randn(B, L, H, D, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    for hkv, split in ((4, None), (1, 2)):  # MHA: dK / dV by TMA; MQA split over 2: by the sum kernel
+        kq, vq = k[:, :hkv], v[:, :hkv]
+        out, lse = Hop.gluon_fwd.attention_forward_gluon(q, kq, vq, is_causal=True, scale=D ** -0.5)
+        dout = torch.randn(B, L, H, D, device=DEVICE, dtype=out.dtype).transpose(1, 2)
+        got = Hop.gluon_bwd.attention_backward_gluon(dout, q, kq, vq, out, lse, is_causal=True, scale=D ** -0.5,
+                                                     group_split=split)
+        want = Hop.gluon_bwd.attention_backward_gluon(dout, q.contiguous(), kq.contiguous(), vq.contiguous(), out,
+                                                      lse, is_causal=True, scale=D ** -0.5, group_split=split)
+        for g, w, x in zip(got, want, (q, kq, vq)):
+            assert rel_err(g, w) < 1e-3
+            assert g.stride() == host.layout_like(x, x.dtype).stride() and w.is_contiguous()
     out, lse = Hop.gluon_fwd.attention_forward_gluon(q, k, v, is_causal=True, scale=D ** -0.5)
     strided_out = torch.empty(B, L, H, D, device=DEVICE, dtype=out.dtype).transpose(1, 2).copy_(out)
     kw = dict(is_causal=True, scale=D ** -0.5)
@@ -744,10 +756,13 @@ def test_gluon_backward_pre_and_post_kernels():
     dq = torch.full((B, Lq, Hq, D), float("nan"), device=DEVICE).transpose(1, 2)
     G._gluon_bwd_dq_cast[(2, B * Hq)](acc, dq, *dq.stride()[:3], Hq, Lq, pad, 0.5, D=D, BLOCK=64)
     assert torch.equal(dq, acc[..., :Lq, :] * 0.5)
-    part = torch.randn(2, 3, 5, 7, device=DEVICE)
-    dk, dv = (torch.full((5, 7), float("nan"), device=DEVICE, dtype=torch.float16)
+    # the split sum into dk / dv laid out (B, L, H, D) in memory, seen (B, H, L, D)
+    Bk, Hk, Lk, Dk = 2, 3, 5, 16
+    part = torch.randn(2, 3, Bk, Hk, Lk, Dk, device=DEVICE)
+    dk, dv = (torch.full((Bk, Lk, Hk, Dk), float("nan"), device=DEVICE, dtype=torch.float16).transpose(1, 2)
               for _ in range(2))
-    G._gluon_bwd_split_sum[(1, 2)](part, dk, dv, 35, S=3, BLOCK=64)
+    G._gluon_bwd_split_sum[(Bk * Hk * Lk * Dk // 64 + 1, 2)](
+        part, dk, dv, Bk * Hk * Lk * Dk, Hk, Lk, *dk.stride()[:3], *dv.stride()[:3], S=3, D=Dk, BLOCK=64)
     for got, want in ((dk, part[0].sum(0)), (dv, part[1].sum(0))):
         assert torch.allclose(got.float(), want, rtol=1e-3, atol=1e-3)
 

@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from .attention_fwd_gluon import why_not_window
-from .host import sm_count
+from .host import layout_like, sm_count
 
 GLUON_AVAILABLE = False
 _GLUON_IMPORT_ERROR = None
@@ -166,8 +166,10 @@ def _gluon_bwd_dq_cast(dqacc_ptr, dq_ptr, sdq_b, sdq_h, sdq_l, Hq, Lq, LQ_PAD, s
 
 
 @triton.jit
-def _gluon_bwd_split_sum(part_ptr, dk_ptr, dv_ptr, numel, S: tl.constexpr, BLOCK: tl.constexpr):
-    """dk / dv (input dtype, contiguous) = sum over S of the fp32 (2, S, numel) partials."""
+def _gluon_bwd_split_sum(part_ptr, dk_ptr, dv_ptr, numel, Hkv, Lk, sdk_b, sdk_h, sdk_l, sdv_b, sdv_h, sdv_l,  #
+                         S: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """dk / dv (B, Hkv, Lk, D) in the input dtype, any strides with a unit last one (laid out as k
+    and v) = sum over S of the fp32 (2, S, numel) partials, contiguous (B, Hkv, Lk, D) each."""
     pid = tl.program_id(0)
     which = tl.program_id(1)  # 0: dk, 1: dv
     n64 = numel.to(tl.int64)
@@ -177,10 +179,16 @@ def _gluon_bwd_split_sum(part_ptr, dk_ptr, dv_ptr, numel, S: tl.constexpr, BLOCK
     acc = tl.load(src, mask=inb, other=0.0)
     for s in tl.static_range(1, S):
         acc += tl.load(src + s * n64, mask=inb, other=0.0)
+    d = offs % D
+    row = offs // D
+    lk = row % Lk
+    bh = row // Lk
+    h = bh % Hkv
+    b = bh // Hkv
     if which == 0:
-        tl.store(dk_ptr + offs, acc.to(dk_ptr.dtype.element_ty), mask=inb)
+        tl.store(dk_ptr + b * sdk_b + h * sdk_h + lk * sdk_l + d, acc.to(dk_ptr.dtype.element_ty), mask=inb)
     else:
-        tl.store(dv_ptr + offs, acc.to(dv_ptr.dtype.element_ty), mask=inb)
+        tl.store(dv_ptr + b * sdv_b + h * sdv_h + lk * sdv_l + d, acc.to(dv_ptr.dtype.element_ty), mask=inb)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -613,7 +621,8 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     ``window`` (with is_causal, Lq <= Lk; 0: none): a sliding window, key j visible to query i iff
     i - window < j <= i; each key block's program visits only the query blocks that see it.
 
-    lse: (B, Hq, Lq) fp32 natural-log logsumexp of the forward. Outputs are contiguous in q's dtype.
+    lse: (B, Hq, Lq) fp32 natural-log logsumexp of the forward. Outputs in the inputs' dtypes, each
+    laid out as its input (host.layout_like).
     Call ``why_not_gluon_backward`` first; this function assumes the inputs pass it.
     ``group_split`` (GQA only): each (key block, kv head) is shared by that many programs, each
     taking Hq / Hkv / group_split of the group's query heads; their fp32 dK / dV partials are
@@ -641,9 +650,9 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     lse2 = torch.empty((B, Hq, LQ_PAD), device=dev, dtype=torch.float32)
     dqacc = torch.empty((B, Hq, LQ_PAD, D), device=dev, dtype=torch.float32)
     lse = lse.float() if lse.dtype != torch.float32 else lse
-    dk = torch.empty((B, Hkv, Lk, D), device=dev, dtype=k.dtype)
-    dv = torch.empty((B, Hkv, Lk, D), device=dev, dtype=v.dtype)
-    dq = torch.empty((B, Hq, Lq, D), device=dev, dtype=q.dtype)
+    # the gradients laid out as their inputs (the op's (B, L, H, D) views: no copy after): dk / dv
+    # stored by TMA through descriptors of their strides or by the split sum, dq by the cast
+    dk, dv, dq = layout_like(k, k.dtype), layout_like(v, v.dtype), layout_like(q, q.dtype)
     # (dK | dV, share, B, Hkv, Lk, D) fp32 partials, every element stored
     part = torch.empty((2, split, B, Hkv, Lk, D), device=dev, dtype=torch.float32) if dkv_out else None
     if poison:
@@ -669,7 +678,8 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     if part is not None:
         numel = B * Hkv * Lk * D
         _gluon_bwd_split_sum[(_cdiv(numel, _SUM_BLOCK), 2)](
-            part, dk, dv, numel, S=part.shape[1], BLOCK=_SUM_BLOCK, num_warps=4)
+            part, dk, dv, numel, Hkv, Lk, *dk.stride()[:3], *dv.stride()[:3], S=part.shape[1], D=D,
+            BLOCK=_SUM_BLOCK, num_warps=4)
     _gluon_bwd_dq_cast[(_cdiv(Lq, _PRE_BLOCK), B * Hq)](
         dqacc, dq, dq.stride(0), dq.stride(1), dq.stride(2), Hq, Lq, LQ_PAD, float(scale),  #
         D=D, BLOCK=_PRE_BLOCK, num_warps=4)

@@ -260,7 +260,7 @@ def run_forward_gluon(call, cfg: AttentionConfig, out_layout):
 
 def run_backward_gluon(call, cfg: AttentionConfig):
     """The Gluon backward (it reads out and dout by their strides, copying a dout that TMA cannot
-    read; its gradients are contiguous)."""
+    read; its gradients come laid out as q, k, v)."""
     q, k, v = call.q, call.k, call.v
     variant = gluon_bwd_variant(cfg)
     if is_tracing():  # as in the forward: one opaque op

@@ -30,7 +30,8 @@ _LIB.define(
 _LIB.define(
     "gluon_attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
     "bool is_causal, float scale, str variant, int group_split, int window=0) -> (Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.pt2_compliant_tag,))
+    # its gradients are laid out in the order of q, k, v's strides: held to the traced order
+    tags=(torch.Tag.pt2_compliant_tag, torch.Tag.needs_fixed_stride_order))
 
 
 def _forward(q, k, v, is_causal, scale, block_m, block_n, num_stages, kernel, window=0):
@@ -63,10 +64,9 @@ def _(q, k, v, is_causal, scale, block_m, block_n, num_stages, kernel, window=0)
 
 @torch.library.register_fake("fuse_plugin::gluon_attention_backward", lib=_LIB)
 def _(dout, q, k, v, out, lse, is_causal, scale, variant, group_split, window=0):
-    def like(t):
-        return torch.empty_like(t, memory_format=torch.contiguous_format)
+    from ..kernels.host import layout_like  # the gradients are laid out as their inputs
 
-    return like(q), like(k), like(v)
+    return layout_like(q, q.dtype), layout_like(k, k.dtype), layout_like(v, v.dtype)
 
 
 _LIB.impl("gluon_attention_forward", _forward, "CUDA")
