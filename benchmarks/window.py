@@ -6,7 +6,9 @@ attention scaled by the visible area, plus a correctness check, on one GPU in on
     python benchmarks/window.py --cpu-smoke   # tiny shapes, kernels in Triton's interpreter (no GPU)
 
 Problems: bf16, B 1, D 128, window W (query i sees keys i-W+1..i, HF's `sliding_window`), "mha"
-Hq = Hkv = 16 and "gqa" Hq 32 / Hkv 8, q/k/v contiguous (B, H, L, D). Per problem, forward and
+Hq = Hkv = 16 and "gqa" Hq 32 / Hkv 8, q/k/v contiguous (B, H, L, D) (--layout blhd: views of
+(B, L, H, D) memory, as a model's head split gives: there the causal families' output needs no
+copy into the op's layout, which costs cuDNN's causal forward 4-5% with contiguous inputs). Per problem, forward and
 backward ms (median of `triton.testing.do_bench`, no CUDA graphs, the best of --repeats medians) of
   causal          our launchers (kernels/attention.py), causal, no window, the registry's family
   causal-general  the same with the general family forced (registry.forced("general"))
@@ -175,13 +177,19 @@ def sdpa(q, k, v, mask, backends, bench, smoke):
     return res
 
 
-def problem(cfg, L, W, D, dtype, device, bench, smoke, sweep=False, only=None):
+def inputs(h, L, D, dtype, device, layout):
+    """(1, h, L, D) random: contiguous ("bhld") or a view of (1, L, h, D) memory ("blhd", what a
+    model's head split gives and the op's output layout)."""
+    if layout == "blhd":
+        return torch.randn(1, L, h, D, device=device, dtype=dtype).transpose(1, 2)
+    return torch.randn(1, h, L, D, device=device, dtype=dtype)
+
+
+def problem(cfg, L, W, D, dtype, device, bench, smoke, sweep=False, only=None, layout="bhld"):
     """Every case of one (config, L) (``only``: those named): {case: result or None}, printed as
     each finishes."""
     hq, hkv = CONFIGS[cfg]
-    q = torch.randn(1, hq, L, D, device=device, dtype=dtype)
-    k = torch.randn(1, hkv, L, D, device=device, dtype=dtype)
-    v = torch.randn(1, hkv, L, D, device=device, dtype=dtype)
+    q, k, v = (inputs(h, L, D, dtype, device, layout) for h in (hq, hkv, hkv))
     mask = band(L, W, device)
     runs = {
         "causal": lambda: ours(q, k, v, 0, None, bench),
@@ -276,6 +284,9 @@ def main():
                    help="also: causal with the Gluon family forced, and the window with each of SWEEP's tiles")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny shapes in Triton's interpreter on the CPU: the script runs end to end")
+    p.add_argument("--layout", default="bhld", choices=("bhld", "blhd"),
+                   help="q/k/v memory: contiguous (B, H, L, D), or (B, L, H, D) viewed as (B, H, L, D) "
+                        "(a model's layout: the op's output layout, so no launcher copies O)")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--out", default=None, help="write the table here too")
     args = p.parse_args()
@@ -289,7 +300,7 @@ def main():
         device, D, lengths, W, dtype = "cuda", 128, [int(x) for x in args.lengths.split(",")], args.window, torch.bfloat16
         checks = [(2048, 512, 4, 4), (1000, 300, 4, 2)]
         head = (f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-                f"{time.strftime('%Y-%m-%d')} | bf16 B1 D{D} W{W}; ms, median of do_bench (best of "
+                f"{time.strftime('%Y-%m-%d')} | bf16 B1 D{D} W{W} q/k/v {args.layout}; ms, median of do_bench (best of "
                 f"{args.repeats}), no CUDA graphs")
     configs = args.configs.split(",")
     bench = Timer(args.repeats, args.cpu_smoke)
@@ -319,7 +330,7 @@ def main():
     for cfg in configs:
         for L in lengths:
             res = problem(cfg, L, W, D, dtype, device, bench, args.cpu_smoke, args.sweep,
-                          args.cases.split(",") if args.cases else None)
+                          args.cases.split(",") if args.cases else None, args.layout)
             rows += [{"config": cfg, "Hq": CONFIGS[cfg][0], "Hkv": CONFIGS[cfg][1], "L": L, "W": W,
                       "case": case, **(r or {})} for case, r in res.items()]
             m = must(res, L, W)

@@ -254,9 +254,9 @@ def test_gluon_takes_the_window_only_where_measured(monkeypatch, window, d, want
 
 
 @pytest.mark.parametrize("heads, lq, window, stages, persistent", [
-    (32, 16384, 4096, 2, True),    # 4096 query tiles: measured 0.94x the per-tile forward (H100, stop 37)
-    (16, 32768, 4096, 2, True),    # 4096 tiles: 0.91x
-    (16, 16384, 4096, 2, False),   # 2048 tiles: 1.02x, the per-tile kernel kept
+    (32, 16384, 4096, 2, True),    # 4096 query tiles: 0.98-0.99x the per-tile forward, launcher to
+    (16, 32768, 4096, 2, True),    # launcher (H100, stop 37, benchmarks/window_forward.py)
+    (16, 16384, 4096, 2, False),   # 2048 tiles: 1.08x, the per-tile kernel kept
     (32, 16384, 0, 2, False),      # causal without a window: the persistent kernel measured slower
     (32, 16384, 4096, 3, False),   # 3 K/V stages and the O buffer do not fit an H100's shared memory
 ])
@@ -279,6 +279,18 @@ def test_the_gluon_forward_runs_wide_windows_persistent(monkeypatch, heads, lq, 
         assert var.pingpong and (var.m_wg, var.block_n, var.stages) == (64, 128, 2)
     given = AttentionCall.forward(q, q, q, None, is_causal=True, scale=0.1, window=window, config=entry)
     assert registry.FAMILIES["fwd"]["gluon"].config(given) == entry
+
+
+@pytest.mark.parametrize("programs, window, want", [
+    (1024, True, 1),   # GQA 32/8 at 16k tokens, W 4096: unsplit measured fastest (H100, stop 38)
+    (2048, True, 1),   # 32k tokens: likewise
+    (1024, False, 4),  # without a window the causal rule: up to 32 programs per SM
+    (128, True, 4),    # a short windowed grid still splits to fill the SMs
+])
+def test_the_gluon_backward_splits_a_windowed_group_only_to_fill_the_sms(programs, window, want):
+    from fuse_plugin.kernels.attention_bwd_gluon import default_group_split
+
+    assert default_group_split(programs, 4, 132, window) == want
 
 
 def test_window_area_and_flops():

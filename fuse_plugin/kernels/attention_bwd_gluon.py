@@ -507,12 +507,21 @@ def kernel_constexprs(cfg: dict, head_dim: int, causal: bool, mask_k: bool, dkv_
                 WRITER_PASSES=cfg["WRITER_PASSES"])
 
 
-def default_group_split(programs: int, kv_group: int, sms: int) -> int:
+# With a sliding window every program does the same work (the query blocks of one window), so a
+# split buys no balance, only its partials' extra pass: measured (H100, bf16, D 128, GQA 32/8, W 4096,
+# benchmarks/window_profile.py --splits): at 1024 / 2048 unsplit programs (16k / 32k tokens) the
+# backward took 5.29 / 11.26 ms unsplit, 5.33 / 11.46 split 2, 5.49 / 12.76 split 4 (the old rule's).
+WINDOW_PROGRAMS_PER_SM = 8
+
+
+def default_group_split(programs: int, kv_group: int, sms: int, window: bool = False) -> int:
     """Same rule as the Triton backward's ``_group_split`` (kernels/attention.py): share a GQA
     group's query heads over up to 4 programs (a power of 2 dividing the group) while the grid
-    stays within 32 programs per SM. ``programs``: key blocks x B x Hkv (the unsplit grid)."""
+    stays within 32 programs per SM (``WINDOW_PROGRAMS_PER_SM`` with a window: split only
+    where the unsplit grid leaves SMs idle). ``programs``: key blocks x B x Hkv (the unsplit grid)."""
+    per_sm = WINDOW_PROGRAMS_PER_SM if window else 32
     split = 1
-    while split < 4 and kv_group % (2 * split) == 0 and programs * 2 * split <= 32 * sms:
+    while split < 4 and kv_group % (2 * split) == 0 and programs * 2 * split <= per_sm * sms:
         split *= 2
     return split
 
@@ -641,7 +650,7 @@ def attention_backward_gluon(dout, q, k, v, out, lse, *, is_causal: bool, scale:
     dev = q.device
     kv_group = Hq // Hkv
     n_nb = _cdiv(Lk, BN)
-    split = group_split or default_group_split(n_nb * B * Hkv, kv_group, sm_count(dev))
+    split = group_split or default_group_split(n_nb * B * Hkv, kv_group, sm_count(dev), window > 0)
     if split < 1 or kv_group % split:
         raise ValueError(f"group_split={split} does not divide the GQA group of {kv_group}")
     dkv_out = 0 if split == 1 else 1
