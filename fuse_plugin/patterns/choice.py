@@ -301,27 +301,39 @@ def _dense_mask_dropped(site) -> bool:
 # attention our op): left as written, Inductor fused the rotation, the class-token cat and the
 # permute into one kernel of 313 us a step against 155 us with our op, and the model ran at 0.95x
 # fused+compile against 1.06x with our op (zoo.py, plugin-fused vs plugin-fused@ROTARY_SITES=ours,
-# 2026-11-27): interleaved sites stay our op.
+# 2026-11-27): interleaved sites stay our op where nothing needs a gradient. In training the other
+# way round (the same model, training under CUDA graphs, H100, 2026-11-27, zoo.py plugin vs
+# plugin@ROTARY_SITES=off, 7 interleaved rounds): left as written 10339 img/s (6228 us of GPU a
+# step) against 9920 (6590 us) with our op, whose backward is one more pass that Inductor cannot
+# fuse into the rotation's neighbours; fused+compile 9938. So an interleaved site that needs a
+# gradient is left as written too.
 _ROTARY_RULE = ("left as written by rule: compiled for CUDA with static shapes, our rotary op decomposes into "
                 "math that Inductor fused slower than the eager rotate-half spelling (H100 Llama 4x2048 "
                 "training: 1345 vs 1028 us of rotary kernels a step; issue 30, 2026-11-27)")
+_ROTARY_TRAINING_RULE = ("left as written by rule: an interleaved rotary that needs a gradient, compiled for CUDA "
+                         "with static shapes, measured faster as written (H100 EVA-02-Ti training: 6228 vs 6590 us "
+                         "of GPU a step with our op; 2026-11-27)")
 
 
-def decide_rotary(x_value, folding: bool, interleaved: bool = False) -> Decision:
+def decide_rotary(x_value, folding: bool, interleaved: bool = False, out_value=None) -> Decision:
     """Our rotary op or the site as written, for a rotary site rotating ``x_value`` (its example
-    value); ``folding``: the rewrite folds rotary q+k pairs into their attention (rope_attention),
-    which needs our op in the graph first; ``interleaved``: the site rotates channel pairs
-    (2i, 2i+1), measured faster as our op (see above). FUSE_PLUGIN_ROTARY_SITES
-    (settings.rotary_sites)."""
+    value) into ``out_value`` (the site's output's; None: unknown); ``folding``: the rewrite folds
+    rotary q+k pairs into their attention (rope_attention), which needs our op in the graph first;
+    ``interleaved``: the site rotates channel pairs (2i, 2i+1), measured faster as our op where
+    nothing needs a gradient (inference) and slower where something does (see above; an unknown
+    output counts as training). FUSE_PLUGIN_ROTARY_SITES (settings.rotary_sites)."""
     how = settings.rotary_sites()
     if how == "ours":
         return Decision(True, "")
     if how == "off":
         return Decision(False, f"left as written ({settings.ROTARY_SITES}=off)")
-    if folding or interleaved or not isinstance(x_value, torch.Tensor) or x_value.device.type != "cuda":
+    if folding or not isinstance(x_value, torch.Tensor) or x_value.device.type != "cuda":
         return Decision(True, "")  # measured on CUDA only; on the CPU the op runs our kernels or the reference
     if any(not isinstance(s, int) for s in x_value.shape):
         return Decision(True, "")  # symbolic sizes: the op stays an opaque call running our kernel
+    if interleaved:
+        training = not isinstance(out_value, torch.Tensor) or out_value.requires_grad
+        return Decision(False, _ROTARY_TRAINING_RULE) if training else Decision(True, "")
     return Decision(False, _ROTARY_RULE)
 
 

@@ -627,7 +627,8 @@ def rewrite(gm: fx.GraphModule, report) -> None:
     folding = settings.rope_attention_enabled()
     try:
         for group in group_pairs(graph, find_sites(gm, report)):
-            decision = decide_rotary(example_value(group[0].x), folding, group[0].interleaved)
+            decision = decide_rotary(example_value(group[0].x), folding, group[0].interleaved,
+                                     example_value(group[0].out))
             if not decision.ours:  # left as written (patterns/choice.py): reported, graph untouched
                 for s in group:
                     report.left_as_is(KIND, s.anchor, decision.reason)
