@@ -7,6 +7,8 @@
 # 2. window.py: the windowed op against a float64 band-masked reference, then forward and backward
 #    of causal (registry's family, and general forced), window 4096, SDPA with the band mask and
 #    SDPA causal at 16k and 32k tokens (MHA 16 heads, GQA 32/8): $OUT/window.{json,md,log};
+#    WINDOW_ARGS: more window.py arguments (e.g. "--layout blhd --head-dim 64 --configs gqa16
+#    --gluon-window-head-dims 64,128": e2e.py's model's heads, the Gluon kernels measured at D 64);
 # 3. e2e.py --sliding-window 4096 at 1x16384 (E2E=0 skips): HF's sdpa path compiled against the
 #    plugin on it and on eager attention, training and inference: $OUT/e2e_window.md;
 # 4. with PEERS=1, window_peers.py: the window's cost over r x causal for ours, FlexAttention and
@@ -21,7 +23,7 @@ if [ "${HANG:-1}" != 0 ]; then
 fi
 if [ "${WINDOW:-1}" != 0 ]; then
   start=$(date +%s)
-  timeout ${WINDOW_LIMIT:-200} python3 benchmarks/window.py --json "$OUT/window.json" --out "$OUT/window.md" > "$OUT/window.log" 2>&1
+  timeout ${WINDOW_LIMIT:-200} python3 benchmarks/window.py ${WINDOW_ARGS:-} --json "$OUT/window.json" --out "$OUT/window.md" > "$OUT/window.log" 2>&1
   echo "window.py rc=$? in $(( $(date +%s) - start )) s"
 fi
 if [ "${PEERS:-0}" != 0 ]; then  # 4. window_peers.py: the window against each kernel's own causal

@@ -68,7 +68,7 @@ OPS = torch.ops.fuse_plugin
 
 MUST = 1.15  # window fwd+bwd <= MUST x r x causal fwd+bwd
 TOL = 2e-2  # correctness: max abs error / max |reference|
-CONFIGS = {"mha": (16, 16), "gqa": (32, 8)}  # name: (Hq, Hkv)
+CONFIGS = {"mha": (16, 16), "gqa": (32, 8), "gqa16": (16, 4)}  # name: (Hq, Hkv); gqa16: e2e.py's model
 BAND_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 CAUSAL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
@@ -185,7 +185,7 @@ def inputs(h, L, D, dtype, device, layout):
     return torch.randn(1, h, L, D, device=device, dtype=dtype)
 
 
-def problem(cfg, L, W, D, dtype, device, bench, smoke, sweep=False, only=None, layout="bhld"):
+def problem(cfg, L, W, D, dtype, device, bench, smoke, sweep=False, only=None, layout="bhld", gluon_case=False):
     """Every case of one (config, L) (``only``: those named): {case: result or None}, printed as
     each finishes."""
     hq, hkv = CONFIGS[cfg]
@@ -196,6 +196,7 @@ def problem(cfg, L, W, D, dtype, device, bench, smoke, sweep=False, only=None, l
         "causal-general": lambda: ours(q, k, v, 0, "general", bench),
         "window": lambda: ours(q, k, v, W, None, bench),
         "window-general": lambda: ours(q, k, v, W, "general", bench),
+        **({"window-gluon": lambda: ours(q, k, v, W, "gluon", bench)} if gluon_case else {}),
         "sdpa-band": lambda: sdpa(q, k, v, mask, BAND_BACKENDS, bench, smoke),
         "sdpa-causal": lambda: sdpa(q, k, v, None, CAUSAL_BACKENDS, bench, smoke),
     }
@@ -287,6 +288,11 @@ def main():
     p.add_argument("--layout", default="bhld", choices=("bhld", "blhd"),
                    help="q/k/v memory: contiguous (B, H, L, D), or (B, L, H, D) viewed as (B, H, L, D) "
                         "(a model's layout: the op's output layout, so no launcher copies O)")
+    p.add_argument("--head-dim", type=int, default=128, help="D of q, k, v (GPU runs; the checks use it too)")
+    p.add_argument("--gluon-window-head-dims", default=None,
+                   help="comma-separated head dims at which the Gluon kernels may take a window for this run "
+                        "(registry.GLUON_WINDOW_HEAD_DIMS, shipped: 128), and a case 'window-gluon' (the Gluon "
+                        "family forced): to measure a head dim before the registry takes it")
     p.add_argument("--json", default=None, help="write every number here")
     p.add_argument("--out", default=None, help="write the table here too")
     args = p.parse_args()
@@ -297,12 +303,16 @@ def main():
         CONFIGS.update(mha=(2, 2), gqa=(4, 2))
         head = f"CPU smoke (Triton interpreter) | torch {torch.__version__} | triton {triton.__version__}"
     else:
-        device, D, lengths, W, dtype = "cuda", 128, [int(x) for x in args.lengths.split(",")], args.window, torch.bfloat16
+        device, D, lengths, W, dtype = "cuda", args.head_dim, [int(x) for x in args.lengths.split(",")], args.window, torch.bfloat16
         checks = [(2048, 512, 4, 4), (1000, 300, 4, 2)]
         head = (f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
                 f"{time.strftime('%Y-%m-%d')} | bf16 B1 D{D} W{W} q/k/v {args.layout}; ms, median of do_bench (best of "
                 f"{args.repeats}), no CUDA graphs")
     configs = args.configs.split(",")
+    gluon_case = bool(args.gluon_window_head_dims)
+    if gluon_case:
+        registry.GLUON_WINDOW_HEAD_DIMS = tuple(int(x) for x in args.gluon_window_head_dims.split(","))
+        head += f" | Gluon window head dims {registry.GLUON_WINDOW_HEAD_DIMS} (not the shipped rule)"
     bench = Timer(args.repeats, args.cpu_smoke)
     t_start = time.perf_counter()
     print(head, flush=True)
@@ -330,7 +340,7 @@ def main():
     for cfg in configs:
         for L in lengths:
             res = problem(cfg, L, W, D, dtype, device, bench, args.cpu_smoke, args.sweep,
-                          args.cases.split(",") if args.cases else None, args.layout)
+                          args.cases.split(",") if args.cases else None, args.layout, gluon_case)
             rows += [{"config": cfg, "Hq": CONFIGS[cfg][0], "Hkv": CONFIGS[cfg][1], "L": L, "W": W,
                       "case": case, **(r or {})} for case, r in res.items()]
             m = must(res, L, W)
