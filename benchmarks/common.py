@@ -34,6 +34,28 @@ def report_check(what: str, errs: dict, limit: float = 2e-2) -> bool:
     return ok
 
 
+def kernel_times(fn, iters: int, warm: int = 1) -> dict:
+    """{GPU kernel name (60 characters): device us per call} over ``iters`` calls of ``fn`` under
+    torch.profiler, after ``warm`` calls. window_profile.py, table_gather.py."""
+    import collections
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per = collections.defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name[:60]] += e.device_time / iters
+    return dict(per)
+
+
 def graph_ms(fn, rep: int = 50) -> float:
     """Device ms of ``fn`` under CUDA graphs: the best of two ``do_bench_cudagraph`` medians."""
     import triton

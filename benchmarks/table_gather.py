@@ -62,16 +62,8 @@ def onehot_bwd(g, oh):
 
 
 def kernel_us(f, n=20):
-    from torch.profiler import profile, ProfilerActivity
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            f()
-        torch.cuda.synchronize()
-    tot = sum(e.self_device_time_total for e in prof.key_averages())
-    return tot / n / 1000.0  # ms
+    from common import kernel_times
+    return sum(kernel_times(f, n, warm=3).values()) / 1000.0  # ms
 
 
 do_bench = lambda f, warmup=0, rep=0: kernel_us(f)

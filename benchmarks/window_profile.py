@@ -19,30 +19,13 @@ the whole backward, against the launcher's own choice.
 from __future__ import annotations
 
 import argparse
-import collections
-
 import torch
 import triton
-from torch.profiler import ProfilerActivity, profile
 
 import fuse_plugin  # noqa: F401
 from fuse_plugin.kernels.attention import attention_backward, attention_forward
+from common import kernel_times
 from window import CONFIGS, visible_pairs
-
-
-def kernels_of(fn, iters: int) -> dict:
-    """{kernel name: device us per call} over `iters` calls of fn (one warm call first)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    per = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name[:60]] += e.device_time / iters
-    return dict(per)
 
 
 def run(cfg: str, L: int, W: int, iters: int) -> list:
@@ -60,7 +43,7 @@ def run(cfg: str, L: int, W: int, iters: int) -> list:
             dout = torch.randn_like(out)
             fn = (lambda: attention_forward(q, k, v, None, **kw)) if direction == "fwd" else (
                 lambda: attention_backward(dout, q, k, v, None, out, lse, need_dbias=False, **kw))
-            got[name] = kernels_of(fn, iters)
+            got[name] = kernel_times(fn, iters)
         tot_c, tot_w = sum(got["causal"].values()), sum(got["window"].values())
         for name, per in got.items():
             for kname, us in sorted(per.items(), key=lambda kv: -kv[1]):
