@@ -593,6 +593,49 @@ def test_sdpa_call_with_a_band_mask_becomes_the_window(monkeypatch):
         torch.testing.assert_close(out, band_call(q, k, v, causal))
 
 
+@pytest.mark.parametrize("lq, lk, window, empties", [
+    (5, 3, 2, True),    # rows 4.. see no key (fuzz_attention seed 14956): SDPA gives 0 there
+    (9, 4, 3, True),
+    (4, 3, 2, False),   # more queries than keys, yet every row keeps a key: no extra pass
+    (6, 6, 2, False),   # Lq == Lk: every row keeps its own key
+])
+def test_sdpa_window_rows_with_no_key_give_sdpas_zeros(monkeypatch, lq, lk, window, empties):
+    """An SDPA call whose causal band leaves some query rows no key (more queries than keys) gives 0
+    in those rows, as SDPA does, and their gradients; the rewrite adds the zeroing only where a row
+    can be empty."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "ours")
+
+    def band_call(q, k, v):
+        i = torch.arange(q.shape[-2])[:, None]
+        j = torch.arange(k.shape[-2])[None, :]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - window))
+
+    q = torch.randn(2, 2, lq, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, lk, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    with sdpa_kernel([SDPBackend.MATH]):  # SDPA's exact math: 0 in rows masked everywhere
+        want = band_call(q, k, v)
+        want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        compiled = rewrite_aot_eager(gm, example_inputs)
+        graphs.append(gm)
+        return compiled
+
+    torch._dynamo.reset()
+    out = torch.compile(band_call, backend=backend, fullgraph=True)(q, k, v)
+    calls = [n for n in graphs[0].graph.nodes if n.target is ATTENTION]
+    assert len(calls) == 1 and calls[0].kwargs.get("window") == window
+    zeroed = any(n.target is torch.isneginf for n in graphs[0].graph.nodes)
+    assert zeroed == empties
+    assert torch.isnan(want).any().item() is False and torch.isnan(out).any().item() is False
+    torch.testing.assert_close(out, want)
+    for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)), want_grads):
+        torch.testing.assert_close(g, w)
+
+
 # ------------------------------------------------------------------------------------ sinks
 
 

@@ -14,7 +14,8 @@ is read as a plan for our op (attention.AttentionSite, built by attention.replac
   op's bias as it is (a bool mask proven top-left causal becomes `is_causal`; a float mask keeps
   its gradient); `is_causal` as it is (SDPA's is top-left, as ours); `scale=None`: 1/sqrt(D).
 * Rows whose every key is masked: 0, what SDPA gives (torch 2.11 and 2.13: its math backend's
-  `_safe_softmax`); our op's lse is -inf there and the rewrite puts 0 in those rows.
+  `_safe_softmax`); our op's lse is -inf there and the rewrite puts 0 in those rows (wherever a
+  mask stays in the bias, or the band it became can leave a row no key: `_band_empties_rows`).
 * dropout_p > 0: the op drops weights with its own random mask (a different draw from SDPA's, as
   for hand-written dropout); its backward redraws the same one.
 
@@ -94,8 +95,27 @@ def match_sdpa(node: fx.Node) -> Union[AttentionSite, str]:
         scale=scale if scale is not None else 1.0 / math.sqrt(D), scale_nodes=[],
         bias_parts=bias_parts, is_causal=is_causal, causal_note=causal_note, kv_groups=groups,
         softcap=0.0, out_ops=(), matched=[node], notes=["an SDPA call"] + notes, dropout_p=dropout_p,
-        safe=bool(bias_parts), cast=cast, window=window, chunk=chunk, documents=documents,
+        safe=bool(bias_parts) or _band_empties_rows(Lq, Lk, window, chunk, documents), cast=cast, window=window,
+        chunk=chunk, documents=documents,
         kv_repeated=repeated)
+
+
+def _band_empties_rows(Lq, Lk, window: int, chunk: int, documents) -> bool:
+    """Can the band the mask became (top-left causal with a window, chunks or documents) leave a
+    query row no key? Then SDPA gives 0 there and our op NaN, so the rewrite zeroes those rows (as
+    for a mask kept in the bias). Only with more queries than keys: row i sees keys
+    max(0, i - W + 1)..min(i, Lk - 1) with a window (none from row Lk + W - 1 on), its chunk's from
+    C * (i // C) (none once that passes Lk); with Lq == Lk every row keeps its own key. Symbolic
+    lengths count as possible (found by tests/fuzz_attention.py, seed 14956: Lq 5, Lk 3, W 2)."""
+    if not (window or chunk or documents is not None):
+        return False
+    if not isinstance(Lq, int) or not isinstance(Lk, int):
+        return True
+    if documents is not None and Lq != Lk:
+        return True
+    if window and Lq >= Lk + window:
+        return True
+    return bool(chunk) and chunk * ((Lq - 1) // chunk) >= Lk
 
 
 def _flags(c) -> Union[tuple, str]:
