@@ -25,14 +25,12 @@ import triton
 import fuse_plugin  # noqa: F401
 from fuse_plugin.kernels.attention import attention_backward, attention_forward
 from common import kernel_times
-from window import CONFIGS, visible_pairs
+from window import CONFIGS, inputs, visible_pairs
 
 
 def run(cfg: str, L: int, W: int, iters: int) -> list:
     hq, hkv = CONFIGS[cfg]
-    q = torch.randn(1, hq, L, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, hkv, L, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, hkv, L, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (inputs(h, L, 128, torch.bfloat16, "cuda", "bhld") for h in (hq, hkv, hkv))
     r = visible_pairs(L, W) / visible_pairs(L)
     rows = []
     for direction in ("fwd", "bwd"):
@@ -59,9 +57,7 @@ def splits(cfg: str, L: int, W: int, choices) -> list:
     from fuse_plugin.kernels.attention_bwd_gluon import attention_backward_gluon
 
     hq, hkv = CONFIGS[cfg]
-    q = torch.randn(1, hq, L, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, hkv, L, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, hkv, L, 128, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (inputs(h, L, 128, torch.bfloat16, "cuda", "bhld") for h in (hq, hkv, hkv))
     kw = dict(is_causal=True, scale=128 ** -0.5)
     out, lse = attention_forward(q, k, v, None, window=W, **kw)
     dout = torch.randn_like(out)

@@ -72,6 +72,7 @@ import triton.language as tl
 
 from .attention_fwd_gluon import why_not_window
 from .host import layout_like, sm_count
+from .launch import aligned16, tma_strides_ok
 
 GLUON_AVAILABLE = False
 _GLUON_IMPORT_ERROR = None
@@ -548,9 +549,8 @@ def _aligned16(t: torch.Tensor) -> bool:
 
 def _tma_readable(t: torch.Tensor) -> bool:
     """Can a TMA descriptor read t as it is: unit last stride, 16-byte aligned base and strides, no
-    zero stride over a dim of size > 1 (a broadcast dout, e.g. of ``out.sum()``)."""
-    return (t.stride(-1) == 1 and _aligned16(t)
-            and all(st > 0 for n, st in zip(t.shape[:-1], t.stride()[:-1]) if n > 1))
+    zero stride over a dim of size > 1 (a broadcast dout, e.g. of ``out.sum()``): launch.py's tests."""
+    return t.stride(-1) == 1 and aligned16(t) and tma_strides_ok(t)
 
 
 def why_not_gluon_backward(q, k, v, out, dout, is_causal, scale, window: int = 0) -> Optional[str]:
