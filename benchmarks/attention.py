@@ -309,29 +309,43 @@ def choice_row(label, case, log, device="cuda"):
         t = _sdpa_times(name, q, k, v, op_bias, case, scale, learned)
         if t is not None:
             times[f"sdpa-{name}" if name else "sdpa"] = list(t)
+    if Hq != Hkv and device == "cuda":  # GQA: SDPA on k/v repeated first (HF's repeat_kv; in float32
+        t = _sdpa_times(None, q, k, v, op_bias, case, scale, learned, repeat=True)  # only it runs efficient)
+        if t is not None:
+            times["sdpa-repeat"] = list(t)
     if max(Lq, Lk) <= 512:  # Inductor's decomposition materialises the scores: small rows only
         ind = tc.inductor_times(case, scale, q, k, v, bias, mask, learned)
         times["inductor"] = [ind["fwd"] / 1e3, (ind["train"] - ind["fwd"]) / 1e3]
     return times, chosen
 
 
-def _sdpa_times(name, q, k, v, bias, case, scale, learned):
+def _sdpa_times(name, q, k, v, bias, case, scale, learned, repeat=False):
+    """SDPA's (fwd ms, bwd ms, train ms) on the row's problem with backend ``name`` (None: torch
+    picks); GQA by enable_gqa, or (``repeat``) k/v repeated to the query heads inside the timed
+    call, as attention._sdpa_call(repeat_kv=True) emits it; None where no backend takes it."""
     from fuse_plugin.ops.attention import whole_bias
 
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     b = None if bias is None else bias.detach().requires_grad_(learned)
-    gqa = q.shape[1] != k.shape[1]
+    group = q.shape[1] // k.shape[1]
+    gqa = group > 1 and not repeat
 
     def mask(b):
         return whole_bias(b, q, k) if b is not None and case.bias == "periodic" else b
 
+    def kv(k, v):
+        if not repeat or group == 1:
+            return k, v
+        return tuple(x[:, :, None].expand(-1, -1, group, -1, -1).flatten(1, 2) for x in (k, v))
+
     def fwd():
         with sdpa_kernel(BACKENDS[name]) if name else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(*leaves, attn_mask=mask(b), dropout_p=case.dropout,
-                                                  is_causal=case.causal, scale=scale, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(leaves[0], *kv(*leaves[1:]), attn_mask=mask(b),
+                                                  dropout_p=case.dropout, is_causal=case.causal, scale=scale,
+                                                  enable_gqa=gqa)
     def infer():  # as a model in eval under no_grad: tensors that need no gradient (SDPA picks its
         with sdpa_kernel(BACKENDS[name]) if name else contextlib.nullcontext():  # backend by requires_grad)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask(bias), dropout_p=case.dropout,
+            return F.scaled_dot_product_attention(q, *kv(k, v), attn_mask=mask(bias), dropout_p=case.dropout,
                                                   is_causal=case.causal, scale=scale, enable_gqa=gqa)
     try:
         with torch.no_grad():  # no autograd graph kept alive: one alive made the captured backward
@@ -361,7 +375,7 @@ def site_decisions(case, device="cuda"):
     key = ct.class_key(getattr(torch, case.dtype), D, Dv, Lq, Lk, case.bias, case.causal, bool(case.dropout))
     times = ct.lookup(torch.device(device), key)
     # every row's site can be an SDPA call (no softcap or finite fill: attention.why_not_sdpa)
-    return {mode: decide_from(times, mode, key, sdpa_ok=True) for mode in ("fwd", "train")}
+    return {mode: decide_from(times, mode, key, sdpa_ok=True, gqa=Hq != Hkv) for mode in ("fwd", "train")}
 
 
 def _train_ms(t) -> float:
@@ -371,10 +385,12 @@ def _train_ms(t) -> float:
 
 def site_times(times, decisions):
     """(implementation, ms) per mode of the site's decision: our op (its chosen families), an SDPA
-    call (the backend torch picks) or Inductor's decomposition."""
+    call (the backend torch picks; k/v repeated for it where the decision says so) or Inductor's
+    decomposition."""
     out = {}
     for mode, dec in decisions.items():
-        name = "chosen" if dec.ours and not dec.as_sdpa else "sdpa" if dec.as_sdpa else "inductor"
+        name = ("chosen" if dec.ours and not dec.as_sdpa else "sdpa-repeat" if dec.repeat_kv
+                else "sdpa" if dec.as_sdpa else "inductor")
         if name == "chosen" and mode == "fwd" and "chosen-infer" in times:
             name = "chosen-infer"  # an inference site's op computes no logsumexp (attention._op_call)
         t = times.get(name)

@@ -11,7 +11,7 @@ FILES="tests/test_attention_cudnn.py tests/test_attention_decode.py tests/test_a
  tests/test_inductor_launch.py tests/test_need_lse.py tests/test_ops.py tests/test_registry.py tests/test_replace_mask.py
  tests/test_rope_attention.py tests/test_rotary_kernel.py tests/test_sdpa_candidate.py tests/test_softcap.py
  tests/test_tune_choices.py tests/test_tuning_table.py tests/test_results_current.py tests/test_window.py
- tests/test_chunk.py tests/test_table_gather.py tests/test_documents.py"
+ tests/test_chunk.py tests/test_table_gather.py tests/test_documents.py tests/test_attention_flash.py"
 if [ "${TESTS:-1}" != 0 ]; then
   start=$(date +%s)
   timeout ${TEST_LIMIT:-540} python3 -m pytest -q -n ${WORKERS:-12} --timeout 300 -p no:cacheprovider \

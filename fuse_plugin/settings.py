@@ -12,7 +12,7 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_ATTENTION_TABLE | (shipped), a path, off | the launch-config (tiles) table: the shipped one, another JSON file, or none (heuristic tiles) | kernels/tuning.py |
 | FUSE_PLUGIN_CHOICE_TABLE | (shipped), a path, off | the measured times the kernel families and the site choice read: shipped, another file, or none | kernels/choice_table.py |
 | FUSE_PLUGIN_ATTENTION_FAMILY | auto, a family name | every attention call runs this kernel family (kernels/registry.py names them); auto: chosen per problem | kernels/registry.py |
-| FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor, sdpa | a matched site: the fastest measured of our op, the site as it is (Inductor's for a hand-written one, SDPA itself for an SDPA call) and, for a hand-written one, an SDPA call in its place (auto); always our op; never (left as written); or an SDPA call wherever the site can be one (sdpa; else our op) | patterns/choice.py |
+| FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor, sdpa, sdpa_repeat | a matched site: the fastest measured of our op, the site as it is (Inductor's for a hand-written one, SDPA itself for an SDPA call) and, for a hand-written one, an SDPA call in its place (auto); always our op; never (left as written); or an SDPA call wherever the site can be one (sdpa; else our op; sdpa_repeat: a GQA site's k/v repeated for it, not enable_gqa) | patterns/choice.py |
 | FUSE_PLUGIN_ROTARY_SITES | auto, ours, off | a matched rotary embedding: left as written where a graph is compiled for CUDA with static shapes, the rotary rotates halves (rotate_half; interleaved pairs stay our op where nothing needs a gradient) and is not folded into an attention (auto: Inductor fuses that eager spelling into its neighbours, measured faster than our op's decomposition); always our op (ours); never (off) | patterns/choice.py |
 | FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
 | FUSE_PLUGIN_KEY_PADDING_SKIP | auto, on, off | the general kernels skip the key blocks a per-key padding mask hides (kernels/key_range.py): auto where measured faster (at least 1024 keys and the work of a 32 x 12 x 1024 x 1024 problem), on from 256 keys, off: every key block visited and the padded ones masked | kernels/key_range.py |
@@ -162,8 +162,9 @@ def site_choice() -> str:
     """What the rewrite does with a matched attention site (`FUSE_PLUGIN_SITE_CHOICE`): "auto"
     (the default: the fastest measured way, patterns/choice.py), "ours" (always our op),
     "inductor" (never: every site left as it is, reported) or "sdpa" (a hand-written site becomes
-    an SDPA call where it can be one, else our op; SDPA call sites stay as they are)."""
-    return choice(SITE_CHOICE, ("auto", "ours", "inductor", "sdpa"), "auto")
+    an SDPA call where it can be one, else our op; SDPA call sites stay as they are); "sdpa_repeat"
+    as "sdpa", a GQA site's k/v repeated to the query heads for the call instead of enable_gqa."""
+    return choice(SITE_CHOICE, ("auto", "ours", "inductor", "sdpa", "sdpa_repeat"), "auto")
 
 
 def rotary_sites() -> str:

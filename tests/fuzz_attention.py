@@ -41,7 +41,9 @@
 * the route: one case in seven of the others (seed % 7 == 2) is rewritten with
   FUSE_PLUGIN_SITE_CHOICE=sdpa, a hand-written site becoming an SDPA call where it can be one
   (patterns/attention._sdpa_call: masks folded into one attn_mask, eager's NaN rows restored, but
-  not tested for where the bias is the learned one alone: patterns/bias_source.py);
+  not tested for where the bias is the learned one alone: patterns/bias_source.py); a GQA case of
+  those with an even seed with FUSE_PLUGIN_SITE_CHOICE=sdpa_repeat, its k/v repeated to the query
+  heads for the call instead of enable_gqa (what the choice takes in float32);
 * mutants, which are not attention and must be left alone (0 fused sites in the rewrite's
   report): softmax over dim -2, weights changed before the product with v (scaled, squared,
   flipped, shifted), weights or scores also used elsewhere, a fill with 0 (not a mask value), a
@@ -107,7 +109,7 @@ class Case:
     gqa: str  # none | repeat_interleave | repeat_kv | enable_gqa (sdpa)
     pv: str  # matmul | einsum | bmm
     variant: str = "none"  # a mutant, a positive extra, or none
-    route: str = "ours"  # ours | sdpa (FUSE_PLUGIN_SITE_CHOICE for the rewrite)
+    route: str = "ours"  # ours | sdpa | sdpa_repeat (FUSE_PLUGIN_SITE_CHOICE for the rewrite)
     sinks: str = "none"  # none | cat | cat_max: gpt-oss's sink column (patterns/sinks.py)
     table: bool = False  # the learned biases gathered from a table by an index buffer (patterns/bias_table.py)
 
@@ -172,7 +174,7 @@ def make_case(seed: int) -> Case:
         if gqa != "none" and seed % 10 == 1:
             case.gqa = "enable_gqa"
     elif seed % 7 == 2:  # (no draw either)
-        case.route = "sdpa"
+        case.route = "sdpa_repeat" if gqa != "none" and seed % 2 == 0 else "sdpa"
     # one case in thirteen: its causal `where` mask is a sliding window, keys i-W+1 .. i with W
     # 1 to 3 (HF Mistral's `kv > q - W` beside `kv <= q`; patterns/attention_bias.window_of); one in
     # seventeen of the others: causal chunks of C 2 to 4 keys (`j <= i and j // C == i // C`, Llama 4's
@@ -555,7 +557,7 @@ def run_case(case: Case) -> Result:
     old = os.environ.get("FUSE_PLUGIN_SITE_CHOICE")
     # every site to our op (nothing is measured here), or with the "sdpa" route each hand-written one
     # that can be to an SDPA call
-    os.environ["FUSE_PLUGIN_SITE_CHOICE"] = "sdpa" if case.route == "sdpa" else "ours"
+    os.environ["FUSE_PLUGIN_SITE_CHOICE"] = case.route
     try:
         out = torch.compile(ours_m, backend=backend)(*ours_in)
     finally:

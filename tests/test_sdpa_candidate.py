@@ -30,7 +30,7 @@ SDPA_FASTEST = {"fwd": {"general": 10.0}, "bwd": {"general": 20.0},
 def test_decide_from_takes_the_fastest_of_three():
     t = SDPA_FASTEST
     d = choice.decide_from(t, "fwd", "k", sdpa_ok=True)
-    assert d.ours and d.as_sdpa and d.reason.startswith("as SDPA: SDPA measured 2.00x faster")
+    assert d.ours and d.as_sdpa and d.reason.startswith("as SDPA: measured 2.00x faster")
     d = choice.decide_from(t, "train", "k", sdpa_ok=True)  # 15 < 30 (ours) < 40 (Inductor)
     assert d.ours and d.as_sdpa
     # the site cannot be an SDPA call: ours (10) against Inductor (12)
@@ -64,6 +64,32 @@ def test_a_measured_tie_keeps_the_sites_default():
     assert choice.decide_from(clear, "train", "k", sdpa_ok=True).as_sdpa
     ours_clear = dict(tie, sdpa={"fwd": 346.4, "train": 1350.0})  # ours 6% faster: an SDPA call becomes ours
     assert choice.decide_sdpa_from(ours_clear, "train", "k").ours
+
+
+# H100 llama-512-fp32 (Llama 8x512's attention in float32, GQA 16/4), microseconds: SDPA's
+# efficient kernel takes the call with k/v repeated, enable_gqa falls to the math path
+FP32_GQA = {"fwd": {"general": 506.59}, "bwd": {"general": 1691.34}, "inductor": {"fwd": 391.19, "train": 1027.13},
+            "sdpa": {"fwd": 767.92, "train": 1575.56}, "sdpa_repeat": {"fwd": 229.62, "train": 747.92}}
+
+
+def test_a_gqa_site_may_become_sdpa_on_repeated_kv():
+    for mode in ("fwd", "train"):
+        d = choice.decide_from(FP32_GQA, mode, "k", sdpa_ok=True, gqa=True)
+        assert d.ours and d.as_sdpa and d.repeat_kv, d
+        assert d.reason.startswith("as SDPA with k/v repeated: measured")
+    # near misses: a site without GQA has no repeated call (Inductor is the fastest left), one that
+    # cannot be an SDPA call neither
+    d = choice.decide_from(FP32_GQA, "fwd", "k", sdpa_ok=True, gqa=False)
+    assert not d.ours and not d.repeat_kv and d.reason.startswith("left to Inductor")
+    d = choice.decide_from(FP32_GQA, "fwd", "k", sdpa_ok=False, gqa=True)
+    assert not d.ours and not d.as_sdpa
+    # bf16 (H100 llama-512): enable_gqa's flash call is the faster SDPA call; a tie keeps our op
+    bf16 = {"fwd": {"general": 22.94, "cudnn": 23.41}, "bwd": {"cudnn": 96.37}, "inductor": {"fwd": 135.52, "train": 339.52},
+            "sdpa": {"fwd": 22.5, "train": 117.97}, "sdpa_repeat": {"fwd": 51.63, "train": 155.36}}
+    d = choice.decide_from(bf16, "fwd", "k", sdpa_ok=True, gqa=True)
+    assert d.ours and not d.as_sdpa and "a tie with SDPA within 2%" in d.reason
+    d = choice.decide_from(dict(bf16, sdpa={"fwd": 20.0, "train": 100.0}), "fwd", "k", sdpa_ok=True, gqa=True)
+    assert d.as_sdpa and not d.repeat_kv and d.reason.startswith("as SDPA: measured")
 
 
 # --------------------------------------------------------------------------- the rewrite
@@ -180,7 +206,7 @@ def test_plain_site_becomes_sdpa(sdpa_measured_fastest):
     assert F.scaled_dot_product_attention in targets
     assert attention.ATTENTION_OP not in targets
     (detail,) = _fused(report)
-    assert "an SDPA call in its place" in detail and "as SDPA: SDPA measured" in detail
+    assert "an SDPA call in its place" in detail and "as SDPA: measured" in detail
     check_parity(plain, *qkv())
 
 
@@ -207,6 +233,35 @@ def test_hand_written_gqa(sdpa_measured_fastest):
     assert F.scaled_dot_product_attention in targets
     assert "GQA" in _fused(report)[0]
     check_parity(gqa, *args)
+
+
+def test_hand_written_gqa_on_repeated_kv(monkeypatch):
+    """Measured as llama-512-fp32: the GQA site becomes an SDPA call on k/v repeated to the query
+    heads (no enable_gqa), eager's numbers and gradients; the same site without GQA is left to
+    Inductor (the near miss)."""
+    monkeypatch.delenv("FUSE_PLUGIN_SITE_CHOICE", raising=False)
+    real = choice.class_of
+    monkeypatch.setattr(choice, "class_of", lambda site: (real(site)[0], real(site)[1], torch.device("cuda")))
+    monkeypatch.setattr(choice_table, "lookup", lambda device, key: FP32_GQA)
+    calls = {}
+
+    def backend(gm, example_inputs):
+        rewrite(gm)
+        calls["sdpa"] = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+        return gm.forward
+
+    args = qkv(Hq=4, Hkv=2)
+    torch._dynamo.reset()
+    torch.compile(gqa, backend=backend)(*args)
+    (call,) = calls["sdpa"]
+    assert not call.kwargs.get("enable_gqa") and call.args[1].meta["example_value"].shape[1] == 4
+    targets, report = rewritten(gqa, *args)
+    assert "GQA: k/v repeated for the SDPA call (2 q heads per kv head)" in _fused(report)[0]
+    assert "as SDPA with k/v repeated: measured" in _fused(report)[0]
+    check_parity(gqa, *args)
+    targets, report = rewritten(plain, *qkv())
+    assert F.scaled_dot_product_attention not in targets and attention.ATTENTION_OP not in targets
+    assert report.left and "left to Inductor" in report.left[0].reason
 
 
 def test_swin_window_periodic_bias(sdpa_measured_fastest):

@@ -22,6 +22,9 @@ small       both   many small problems, whole tiles on chip (attention_small.py)
 efficient   both   PyTorch's memory-efficient (CUTLASS) kernels through ATen
                    (attention_efficient.py): float biases read through their strides; taken
                    only where the choice table measured it fastest
+flash       fwd    PyTorch's flash forward (FlashAttention-2) through ATen (attention_flash.py):
+                   plain problems, GQA natively; taken only where the choice table measured it
+                   fastest
 gluon       both   warp-specialised Hopper kernels (attention_hopper.py) where the tuning table
                    picks them; also a sliding window of >= 4096 keys at head dim 128 (measured)
 tma         both   TMA kernels (attention_hopper.py) where the tuning table picks them (forward:
@@ -46,7 +49,8 @@ from typing import Optional
 
 import torch
 
-from . import attention_cudnn, attention_decode, attention_efficient, attention_general, attention_hopper
+from . import attention_cudnn, attention_decode, attention_efficient, attention_flash, attention_general
+from . import attention_hopper
 from . import attention_small
 from . import choice_table, host
 from .attention_config import (GLUON_BWD_KERNELS, GLUON_FWD_KERNELS, PAIR_KERNELS, AttentionConfig,
@@ -249,6 +253,29 @@ class Efficient(Family):
             call.dout, q, k, v, call.bias, call.out, call.lse, call.is_causal, call.scale,
             call.need_dbias, call.period)
         return (*(in_layout_of(g, x) for g, x in zip((dq, dk, dv), call.inputs)), dbias)
+
+
+class Flash(Family):
+    name = "flash"
+    directions = ("fwd",)
+    rule = ""  # none: see declines
+
+    def cannot(self, call):
+        q = call.q
+        if q.device.type != "cuda":
+            return "not on CUDA"
+        return attention_flash.why_not(
+            q, call.k, call.v, call.bias, is_causal=call.is_causal,
+            capability=attention_hopper.capability(q.device), dropout=call.dropout,
+            softcap=call.softcapped, replace=call.has_rep, rope=call.rope is not None)
+
+    def declines(self, call):
+        # taken where the choice table measured it fastest (or forced), by no rule of its own
+        return "taken only where measured faster (choice table) or forced"
+
+    def run(self, call, cfg, out_layout):
+        o, lse = attention_flash.forward(call.q, call.k, call.v, call.is_causal, call.scale)
+        return out_layout(o), lse
 
 
 def _gluon_band(call) -> Optional[str]:
@@ -502,12 +529,12 @@ def _forward_buffers(call):
 
 
 FAMILIES = {"fwd": {}, "bwd": {}}
-for _f in (Cudnn(), Decode(), Small(), Efficient(), GluonForward(), GluonBackward(), Tma(), TmaPair(),
+for _f in (Cudnn(), Decode(), Small(), Efficient(), Flash(), GluonForward(), GluonBackward(), Tma(), TmaPair(),
            TwoKernel(), General()):
     for _d in _f.directions:
         FAMILIES[_d][_f.name] = _f
 # The rules' order: the first family that can run a call takes it (where nothing was measured).
-PRIORITY = {"fwd": ("cudnn", "decode", "small", "efficient", "gluon", "tma", "general"),
+PRIORITY = {"fwd": ("cudnn", "decode", "small", "efficient", "flash", "gluon", "tma", "general"),
             "bwd": ("cudnn", "small", "efficient", "gluon", "tma_pair", "tma", "two_kernel", "general")}
 NAMES = tuple(dict.fromkeys(PRIORITY["fwd"] + PRIORITY["bwd"]))
 

@@ -1308,10 +1308,11 @@ def why_not_sdpa(site: AttentionSite) -> Optional[str]:
     return None
 
 
-def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = False) -> str:
+def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = False,
+            repeat_kv: bool = False) -> str:
     """Build the plan `site`: the carried masks, then the op (with `as_sdpa`: an SDPA call, see
-    `_sdpa_call`); it takes over the uses of the output, and the dead matched nodes are erased.
-    Returns the detail for the report."""
+    `_sdpa_call`; `repeat_kv`: a GQA site's k/v repeated for it); it takes over the uses of the
+    output, and the dead matched nodes are erased. Returns the detail for the report."""
     b = NodeBuilder(gm.graph, site.output, site.softmax, ctx.get("fake_mode"))
     try:
         bias_parts = _build_carried(b, site)
@@ -1330,7 +1331,7 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = 
         bias, bias_kind = build_bias(b, bias_parts, memo, bias_dtype)
         replaced = None if as_sdpa else replace_mask(b, bias_parts, memo)
         if as_sdpa:
-            out = _sdpa_call(b, site, q, k, v, bias)
+            out = _sdpa_call(b, site, q, k, v, bias, repeat_kv)
         else:
             out = _op_call(b, site, q, k, v, bias, replaced)
         for _ in range(4 - site.rank):
@@ -1368,7 +1369,8 @@ def replace(gm: fx.GraphModule, site: AttentionSite, ctx: dict, as_sdpa: bool = 
     if replaced is not None:
         parts.append("replace mask (finite fill)")
     if site.kv_groups > 1:
-        parts.append(f"GQA: k/v un-repeated ({site.kv_groups} q heads per kv head)")
+        parts.append(f"GQA: k/v repeated for the SDPA call ({site.kv_groups} q heads per kv head)" if as_sdpa
+                     and repeat_kv else f"GQA: k/v un-repeated ({site.kv_groups} q heads per kv head)")
     if site.sinks is not None:
         parts.append("sinks (a logit per head in the softmax, dropped after it)")
     if site.dropout_p:
@@ -1451,11 +1453,13 @@ def _average_dead_rows(out, lse, q, k, v, scale: float):
 EMITTED = "fuse_plugin_emitted"
 
 
-def _sdpa_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias) -> fx.Node:
+def _sdpa_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias, repeat_kv: bool = False) -> fx.Node:
     """An SDPA call computing the site as eager does (where it was measured fastest, choice.py):
     the bias as its attn_mask (a window-periodic one repeated over the batch; a float one in q's
     dtype, as SDPA takes it), a causal mask next to a bias folded into it (SDPA takes one or the
-    other), k/v un-repeated with enable_gqa. Rows masked everywhere: eager's NaN (SDPA gives 0),
+    other), k/v un-repeated with enable_gqa, or (``repeat_kv``) repeated to the query heads as HF's
+    repeat_kv does (in float32 only that call reaches the efficient kernel; choice.decide_from).
+    Rows masked everywhere: eager's NaN (SDPA gives 0),
     unless the site was a _safe_softmax or its bias is learned parameters alone (bias_source.py:
     -inf on a whole row only where they are); their gradients are SDPA's (finite where eager's are
     NaN).
@@ -1473,9 +1477,14 @@ def _sdpa_call(b: NodeBuilder, site: AttentionSite, q, k, v, bias) -> fx.Node:
         causal = False
     if bias is not None and dtype(bias) != torch.bool and dtype(bias) != qv.dtype:
         bias = b.method("to", bias, qv.dtype)
+    gqa = site.kv_groups > 1
+    if gqa and repeat_kv:  # (B, Hkv, L, D) -> (B, Hkv * groups, L, D), head h reading kv head h // groups
+        k, v = (b.method("flatten", b.method("expand", b.method("unsqueeze", t, 2), -1, -1, site.kv_groups, -1, -1),
+                         1, 2) for t in (k, v))
+        gqa = False
     out = b.function(torch.nn.functional.scaled_dot_product_attention, q, k, v, attn_mask=bias,
                      dropout_p=site.dropout_p, is_causal=causal, scale=float(site.scale),
-                     enable_gqa=site.kv_groups > 1)
+                     enable_gqa=gqa)
     out.meta[EMITTED] = True
     if bias is not None and not site.safe and not _learned_bias(site):  # eager: NaN in rows whose every
         # score is masked (a bias of parameters alone is -inf on a whole row only where they are)
@@ -1553,7 +1562,8 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
             if not decision.ours:
                 report.left_as_is(KIND, sm, decision.reason + bias_table.swap(gm, gathers, ctx))
                 continue
-            detail = replace(gm, site, ctx, as_sdpa=decision.as_sdpa) + bias_table.swap(gm, gathers, ctx)
+            detail = replace(gm, site, ctx, as_sdpa=decision.as_sdpa, repeat_kv=decision.repeat_kv) \
+                + bias_table.swap(gm, gathers, ctx)
             report.replaced(KIND, sm, detail + (f"; {decision.reason}" if decision.reason else ""))
             if decision.as_sdpa:  # counted among the replaced too ("attention")
                 counters["fuse_plugin"]["attention_as_sdpa"] += 1

@@ -54,6 +54,7 @@ class Decision:
     ours: bool  # the site is rewritten (else it is left as it is: to Inductor, or as SDPA)
     reason: str  # for explain / TORCH_LOGS; "" where there is nothing to say
     as_sdpa: bool = False  # rewritten into an SDPA call (measured faster than our op and Inductor)
+    repeat_kv: bool = False  # that call with k/v repeated to the query heads, not enable_gqa (GQA)
 
 
 def _hint(n) -> int:
@@ -162,8 +163,9 @@ def decide(site) -> Decision:
     if _context_parallel_on():
         return Decision(True, _OURS_UNDER_CP)
     no_sdpa = why_not_sdpa(site)
-    if how == "sdpa":
-        return Decision(True, f"as SDPA ({settings.SITE_CHOICE}=sdpa)", as_sdpa=True) if no_sdpa is None \
+    if how in ("sdpa", "sdpa_repeat"):
+        return Decision(True, f"as SDPA ({settings.SITE_CHOICE}={how})", as_sdpa=True,
+                        repeat_kv=how == "sdpa_repeat" and site.kv_groups > 1) if no_sdpa is None \
             else Decision(True, f"our op: no SDPA call computes {no_sdpa}")
     windowed = _window_rule(site)
     if windowed is not None:
@@ -174,7 +176,7 @@ def decide(site) -> Decision:
         rule = _rule(site)
         if rule is not None:
             return Decision(False, rule)
-    return decide_from(times, mode, key, sdpa_ok=no_sdpa is None, band=_band(site))
+    return decide_from(times, mode, key, sdpa_ok=no_sdpa is None, band=_band(site), gqa=site.kv_groups > 1)
 
 
 # Measured rules, for classes the choice table does not hold (on the GPU). Each says where it
@@ -250,27 +252,38 @@ def window_beside_padding(q_value, lk) -> bool:
 
 
 def decide_from(times: Optional[dict], mode: str, key: Optional[str], sdpa_ok: bool = False,
-                band: bool = False) -> Decision:
+                band: bool = False, gqa: bool = False) -> Decision:
     """The decision for a hand-written site of a class measured as ``times``
     (choice_table.lookup; None: not measured) in ``mode`` ("fwd": inference, "train"): the
     fastest of our op, Inductor's decomposition and (``sdpa_ok``: the site can be one,
-    attention.why_not_sdpa) an SDPA call. ``band``: see ours_time."""
+    attention.why_not_sdpa) an SDPA call. ``band``: see ours_time. ``gqa``: the site's k/v have
+    fewer heads than q; its SDPA call may pass them with ``enable_gqa`` (the class's "sdpa" time)
+    or repeated to the query heads first (its "sdpa_repeat" time), whichever was measured faster:
+    in float32 SDPA's efficient kernel takes only the repeated call, enable_gqa falling to the math
+    path (H100 llama-512-fp32: 229.6 us forward repeated, 767.9 with enable_gqa, Inductor 391.2,
+    our op 506.6)."""
     inductor = (times or {}).get(choice_table.INDUCTOR, {}).get(mode)
     sdpa = (times or {}).get(choice_table.SDPA, {}).get(mode) if sdpa_ok else None
+    repeated = (times or {}).get(choice_table.SDPA_REPEAT, {}).get(mode) if sdpa_ok and gqa else None
     ours = ours_time(times, mode, band) if times else None
-    if ours is None or (inductor is None and sdpa is None):
+    if ours is None or (inductor is None and sdpa is None and repeated is None):
         return Decision(True, "")
     us, families = ours
-    others = {name: t for name, t in (("Inductor", inductor), ("SDPA", sdpa)) if t is not None}
+    others = {name: t for name, t in (("Inductor", inductor), ("SDPA", sdpa), (_REPEATED, repeated))
+              if t is not None}
     best = min(others, key=others.get)
     if others[best] * NOISE >= us:  # (within the noise: our op, the default of a hand-written site)
         return _versus(ours, others[best], best, mode, key)
     where = f"{mode}, {key}"
-    if best == "SDPA":
-        return Decision(True, f"as SDPA: SDPA measured {us / sdpa:.2f}x faster ({sdpa:.1f} vs {us:.1f} us for "
-                              f"{families}" + (f", Inductor {inductor:.1f}" if inductor is not None else "")
-                              + f"; {where})", as_sdpa=True)
+    if best != "Inductor":
+        t = others[best]
+        return Decision(True, f"as {best}: measured {us / t:.2f}x faster ({t:.1f} vs {us:.1f} us for "
+                              f"{families}" + "".join(f", {n} {o:.1f}" for n, o in others.items() if n != best)
+                              + f"; {where})", as_sdpa=True, repeat_kv=best == _REPEATED)
     return _versus(ours, inductor, "Inductor", mode, key)
+
+
+_REPEATED = "SDPA with k/v repeated"
 
 
 # Measured times within this ratio are a tie, and a tie keeps the site's default: our op for a
