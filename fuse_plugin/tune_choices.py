@@ -20,7 +20,9 @@ kernel table meet, at the shape they meet them), on random inputs of that shape:
   bias as its ``attn_mask``; the backend torch picks), forward and forward + backward: what an
   SDPA call site runs when it is left as it is (patterns/sdpa.py weighs our op against it);
   "sdpa_repeat", for GQA classes: the same call with k/v repeated to the query heads first, as
-  HF's sdpa path passes them with a mask (an SDPA call site that repeats k/v is weighed against it).
+  HF's sdpa path passes them with a mask (an SDPA call site that repeats k/v is weighed against it);
+* "infer": the forward without the logsumexp of the families that can skip it (cuDNN's,
+  PyTorch's efficient kernels), as an inference site calls the op (``infer_times``).
 
 Writes kernels/attention_choices_sm<cc>.json (or ``--out``), replacing this GPU name's entries and
 keeping other GPUs'; see kernels/choice_table.py for the format and how the entries are read.
@@ -240,12 +242,32 @@ def measure_class(name: str, case: Case, log, timed: bool = True, device: str = 
                     if cfg is not None:
                         entry.setdefault("small", {})[direction] = list(cfg)
     _check_agreement(name, results, entry, bool(case.dropout), log)
+    entry["infer"] = infer_times(entry["fwd"], q, k, v, b4, kw, timed)
     entry["inductor"] = inductor_times(case, scale, q, k, v, bias, mask, learned, timed)
     entry["sdpa"] = sdpa_times(case, scale, q, k, v, op_bias(case, bias, mask), learned, timed)
     if q.shape[1] != k.shape[1]:
         entry["sdpa_repeat"] = sdpa_times(case, scale, q, k, v, op_bias(case, bias, mask), learned, timed,
                                           repeat_kv=True)
     return entry
+
+
+def infer_times(fwd: dict, q, k, v, b4, kw, timed: bool = True) -> dict:
+    """{family: us} of the inference forward without the logsumexp (need_lse=False) of the
+    families among ``fwd`` (those that ran the class) that can skip it: PyTorch's efficient kernels
+    (through the launcher, forced), cuDNN's (its ATen call without the lse: the family itself
+    skips it only where this measured it faster, choice_table.lse_free)."""
+    from .kernels import attention as K
+    from .kernels import attention_cudnn, registry
+
+    out = {}
+    for fam, fn in (("efficient", lambda: K.attention_forward(q, k, v, b4, need_lse=False, **kw)),
+                    ("cudnn", lambda: attention_cudnn.forward(q, k, v, kw["is_causal"], kw["scale"], need_lse=False))):
+        if fam not in fwd:
+            continue
+        with registry.forced(fam):
+            fn()
+            out[fam] = round(device_us(fn), 2) if timed else 0.0
+    return out
 
 
 def _check_agreement(name, results, entry, dropout: bool, log) -> None:

@@ -40,6 +40,28 @@ def test_each_family_says_why_it_cannot_run_a_problem():
     assert reasons["efficient"] == "not on CUDA"
 
 
+def test_an_inference_forward_reads_the_times_without_the_lse(monkeypatch):
+    """A class's "infer" times (the forward without the logsumexp) count for an inference call
+    (need_lse=False) where faster, for the registry and the rewrite alike; a family skips the lse
+    only where its class measured that faster (choice_table.lse_free)."""
+    times = {"fwd": {"cudnn": 24.0, "general": 23.0, "efficient": 30.0}, "bwd": {"general": 90.0},
+             "infer": {"cudnn": 22.0, "efficient": 31.0}, "sdpa": {"fwd": 22.5, "train": 118.0}}
+    monkeypatch.setattr(choice_table, "lookup", lambda device, k: times)
+    assert choice_table.infer_times(times) == {"cudnn": 22.0, "general": 23.0, "efficient": 30.0}
+    infer, train = _call(need_lse=False), _call()
+    assert choice_table.measured(infer) == {"cudnn": 22.0, "general": 23.0, "efficient": 30.0}
+    assert choice_table.measured(train) == times["fwd"]
+    assert choice_table.lse_free(infer, "cudnn") and not choice_table.lse_free(train, "cudnn")
+    assert not choice_table.lse_free(infer, "efficient")  # (measured slower without)
+    assert not choice_table.lse_free(infer, "general")  # (not measured without)
+    # the rewrite: an inference site weighs our op at 22.0 (cuDNN without the lse) against SDPA's 22.5
+    d = choice.decide_from(times, "fwd", "k", sdpa_ok=True)
+    assert d.ours and "cudnn 22.0 vs 22.5" in d.reason
+    assert choice.ours_time(times, "train") == (23.0 + 90.0, "general + general")
+    monkeypatch.setattr(choice_table, "lookup", lambda device, k: None)
+    assert choice_table.measured(infer) is None and not choice_table.lse_free(infer, "cudnn")
+
+
 def test_rules_leave_the_small_family_to_measurements():
     """Where nothing is measured, the small family is not taken by a rule (it declines)."""
     family, _, why = registry.choose(_call())

@@ -35,6 +35,8 @@ from typing import Optional
 
 import torch
 
+from . import host
+
 aten = torch.ops.aten
 
 FWD_MIN_LEN = 512  # Lq and Lk: cuDNN's forward ties ours at 512 and wins from there up
@@ -82,10 +84,14 @@ def family(direction: str, q, k, v, bias, **flags) -> Optional[str]:
     return "cudnn" if why_not(q, k, v, bias, **flags) is None else None
 
 
-def forward(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (B, Hq, Lq, Dv) in q's stride order and lse (B, Hq, Lq) fp32 (natural log)."""
-    res = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, bool(is_causal), False,
+def forward(q, k, v, is_causal: bool, scale: float, need_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, Hq, Lq, Dv) in q's stride order and lse (B, Hq, Lq) fp32 (natural log); without
+    ``need_lse`` (an inference call where the choice table measured it faster:
+    choice_table.lse_free) cuDNN computes none and the returned lse is uninitialised."""
+    res = aten._scaled_dot_product_cudnn_attention(q, k, v, None, bool(need_lse), 0.0, bool(is_causal), False,
                                                    scale=float(scale))
+    if not need_lse:
+        return res[0], host.empty(tuple(q.shape[:3]), torch.float32, q.device)
     lse = res[1]
     return res[0], lse.view(lse.shape[:3])
 

@@ -22,7 +22,11 @@ site's decomposition compiled by stock Inductor, forward alone (inference) and f
 backward (training); "sdpa": `F.scaled_dot_product_attention` on the class's problem, the backend
 torch picks (what an SDPA call site runs when it is left as it is; ``enable_gqa`` for GQA), likewise;
 "sdpa_repeat" (GQA classes, optional): the same with k/v repeated to the query heads first, as HF's
-sdpa path calls it with a mask. Device times (CUDA
+sdpa path calls it with a mask; "infer" (optional): the forward of the families that can skip the
+logsumexp (cuDNN's, PyTorch's efficient kernels) without it, as an inference site calls the op
+(need_lse=False): cuDNN skips it in inference calls only where its "infer" time is below its "fwd"
+time (``lse_free``), the efficient kernels always (measured faster on Swin's windows, stop 28), and
+inference calls are chosen by each family's faster time of the two (``measured``). Device times (CUDA
 graphs), median. "small": the small family's config
 measured fastest (attention_small.SmallConfig), which it then runs the class with. The class key
 (``class_key``)
@@ -53,6 +57,7 @@ DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 INDUCTOR = "inductor"
 SDPA = "sdpa"
 SDPA_REPEAT = "sdpa_repeat"  # GQA classes: the SDPA call with k/v repeated first (tune_choices.sdpa_times)
+INFER = "infer"  # the forward without the logsumexp, of the families that can skip it (tune_choices.infer_times)
 
 
 def _len_bucket(n: int) -> str:
@@ -94,7 +99,11 @@ def _entries(device_index: int, env: Optional[str]) -> dict:
         name = ""
     if env:
         return entries_of(env, name)
-    return entries_of(path_for(torch.cuda.get_device_capability(device_index)), name)
+    try:
+        cc = torch.cuda.get_device_capability(device_index)
+    except (RuntimeError, AssertionError):  # no GPU: fake CUDA tensors in a CPU build, no table
+        return {}
+    return entries_of(path_for(cc), name)
 
 
 def entries_of(path, gpu_name: str) -> dict:
@@ -132,7 +141,7 @@ def lookup(device: torch.device, key: Optional[str]) -> Optional[dict]:
     if not isinstance(entry, dict):
         return None
     out = {"small": entry.get("small") if isinstance(entry.get("small"), dict) else {}}
-    for part in ("fwd", "bwd", INDUCTOR, SDPA, SDPA_REPEAT):
+    for part in ("fwd", "bwd", INDUCTOR, SDPA, SDPA_REPEAT, INFER):
         times = entry.get(part)
         out[part] = {k: float(v) for k, v in times.items() if isinstance(v, (int, float)) and v > 0} \
             if isinstance(times, dict) else {}
@@ -148,9 +157,30 @@ def key_of_call(call) -> Optional[str]:
 
 def measured(call) -> Optional[dict]:
     """Our families' measured times for a launcher call's class and direction (registry.choose),
-    or None where the class was not measured."""
+    or None where the class was not measured; for an inference forward (need_lse=False) each
+    family at the faster of its times with and without the logsumexp."""
     times = lookup(call.q.device, key_of_call(call))
+    if call.direction == "fwd" and not call.need_lse:
+        return infer_times(times) or None
     return (times or {}).get(call.direction) or None
+
+
+def infer_times(times: Optional[dict]) -> dict:
+    """{family: us} of an inference forward for a class's ``times`` (lookup): the "fwd" time, or
+    the "infer" one (no logsumexp) where that is faster."""
+    fwd, infer = (times or {}).get("fwd", {}), (times or {}).get(INFER, {})
+    return {name: min(us, infer.get(name, us)) for name, us in fwd.items()}
+
+
+def lse_free(call, family: str) -> bool:
+    """Does ``family`` run this inference forward (need_lse=False) without the logsumexp? Where
+    the call's class measured it faster so; else it computes the lse anyway (cuDNN: skipping it
+    measured 1-4% slower on causal D80 / D96 / D128 / GQA rows, H100, stop 28)."""
+    if call.direction != "fwd" or call.need_lse:
+        return False
+    times = lookup(call.q.device, key_of_call(call)) or {}
+    fwd, infer = times.get("fwd", {}).get(family), times.get(INFER, {}).get(family)
+    return fwd is not None and infer is not None and infer < fwd
 
 
 def small_config(call) -> Optional[tuple]:

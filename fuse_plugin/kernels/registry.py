@@ -158,9 +158,11 @@ class Cudnn(Family):
 
     def run(self, call, cfg, out_layout):
         if call.direction == "fwd":
-            # (always with its lse: without, cuDNN measured 1-4% slower on causal D80/D96/D128/GQA
-            # rows, <= 1.5% faster on others; H100, stop 28, RESULTS.md)
-            o, lse = attention_cudnn.forward(call.q, call.k, call.v, call.is_causal, call.scale)
+            # with its lse unless the class measured the inference call faster without (skipping
+            # it measured 1-4% slower on causal D80/D96/D128/GQA rows, <= 1.5% faster on others;
+            # H100, stop 28; SDPA's inference call, which skips it, 3% faster at D64 full 4k, stop 39)
+            o, lse = attention_cudnn.forward(call.q, call.k, call.v, call.is_causal, call.scale,
+                                             need_lse=not choice_table.lse_free(call, self.name))
             return out_layout(o), lse
         grads = attention_cudnn.backward(call.dout, call.q, call.k, call.v, call.out, call.lse,
                                          call.is_causal, call.scale)

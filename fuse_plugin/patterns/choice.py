@@ -112,13 +112,16 @@ def class_of(site) -> tuple[Optional[str], str, torch.device]:
 
 
 def ours_time(times: dict, mode: str, band=False) -> Optional[tuple[float, str]]:
-    """(microseconds, families) of our op for a class: the forward's fastest family, and in
-    training plus the backward's fastest (the launchers choose each direction on its own).
+    """(microseconds, families) of our op for a class: the forward's fastest family (inference:
+    without the lse where measured faster, choice_table.infer_times), and in training plus the
+    backward's fastest (the launchers choose each direction on its own).
     ``band``: the site has a sliding window, chunks or documents, which only some families run:
     True (those with registry's ``takes_window``) or {direction: the families that take this
     band, registry.band_runners}; the class is the causal one, and those families' causal time
     is an upper bound of the band's (its key blocks are a subset)."""
     fwd, bwd = times.get("fwd", {}), times.get("bwd", {})
+    if mode == "fwd":  # an inference site's op skips the lse where that was measured faster
+        fwd = choice_table.infer_times(times)
     if band:
         fwd, bwd = _band_families(fwd, "fwd", band), _band_families(bwd, "bwd", band)
     if not fwd or (mode == "train" and not bwd):
