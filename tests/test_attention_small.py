@@ -367,6 +367,23 @@ def test_why_not_accepts(args, kwargs):
     assert small.why_not(*args, **kwargs) is None
 
 
+def test_a_gqa_backward_counts_its_query_heads(monkeypatch):
+    """Shared memory a stage: k/v once, the query side once per head of the GQA group (kernel's
+    unrolled group loop). Llama 1 x 128 (bf16, D 64, GQA 16/4): every backward config failed on
+    the H100 (362-364 KB at 2 stages); the family now says so before compiling. The forward, and
+    the same backward without GQA, still fit."""
+    monkeypatch.setattr(small, "smem_limit", lambda device: 232448)  # the H100's
+    q = _t(1, 16, 128, 64, dtype=torch.bfloat16)
+    kv = _t(1, 4, 128, 64, dtype=torch.bfloat16)
+    assert small.stage_bytes("bwd", 128, 128, 64, 64, torch.bfloat16, None, 4) > 232448
+    assert small.stage_bytes("bwd", 128, 128, 64, 64, torch.bfloat16, None) == \
+        small.stage_bytes("bwd", 128, 128, 64, 64, torch.bfloat16, None, 1)
+    reason = small.why_not(q, kv, kv, None, direction="bwd")
+    assert reason.startswith("its bwd tiles need 228 KB of shared memory (> 227 KB)")
+    assert small.why_not(q, kv, kv, None, direction="fwd") is None
+    assert small.why_not(q, q, q, None, direction="bwd") is None
+
+
 def test_why_not_on_symbolic_fake_tensors():
     """Fake tensors with SymInt sizes are read by their hints, without adding a guard."""
     from torch._subclasses.fake_tensor import FakeTensorMode

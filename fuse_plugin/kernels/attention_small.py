@@ -453,20 +453,26 @@ def _dbias_slot_units(B: int, Hkv: int, Pd: int, Hd: int) -> int:
 
 
 def stage_bytes(direction: str, Lq: int, Lk: int, D: int, Dv: int, dtype: torch.dtype,
-                bias: Optional[torch.Tensor]) -> int:
-    """Shared memory one software-pipeline stage of a unit's loads takes: q, k, v (and dO, O in
-    the backward) as whole tiles, the bias tile (one row where it is per key), the lse row. On
-    the H200 (Triton 3.6) the compiler asked for ``num_stages`` times this within 1 KB a stage:
+                bias: Optional[torch.Tensor], group: int = 1) -> int:
+    """Shared memory one software-pipeline stage of a unit's loads takes: k, v, and for each of
+    the unit's ``group`` query heads (GQA: Hq // Hkv, unrolled in the kernel) q (and dO, O in the
+    backward) as whole tiles, the bias tile (one row where it is per key), the lse row. On the
+    H200 (Triton 3.6) the compiler asked for ``num_stages`` times this within 1 KB a stage:
     forward bf16 L 128 D 128 with a full bias, forward fp32 L 64 D 80, backward fp32 L 100 D 64
-    with key padding (262144, 344064, 331776 bytes). ``STAGE_SLACK`` more a stage is assumed."""
+    with key padding (262144, 344064, 331776 bytes). ``STAGE_SLACK`` more a stage is assumed.
+    The query side is counted once per group member: on the H100 every backward config of
+    Llama's 1 x 128 tokens (bf16, D 64, GQA 16/4, 2 stages) failed asking 362496-364544 bytes
+    (stop 39's choice table) where one head's count gave 84 KB a stage. That is ~177 KB a stage;
+    this counts 228 KB, so a GQA problem whose single stage would just fit may be refused (no
+    single-stage GQA backward was measured)."""
     tq, tk, td, tdv = _tile(Lq), _tile(Lk), _tile(D), _tile(Dv)
-    n = (tq * td + tk * td + tk * tdv) * dtype.itemsize + 4 * tq
+    per_head = tq * td * dtype.itemsize + 4 * tq
     if direction == "bwd":
-        n += 2 * tq * tdv * dtype.itemsize  # dO, O
+        per_head += 2 * tq * tdv * dtype.itemsize  # dO, O
     if bias is not None:
         per_key = bias.dim() == 4 and (hint(bias.shape[2]) == 1 or hint(bias.stride(2)) == 0)
-        n += (tk if per_key else tq * tk) * bias.element_size()
-    return n + STAGE_SLACK
+        per_head += (tk if per_key else tq * tk) * bias.element_size()
+    return (tk * td + tk * tdv) * dtype.itemsize + max(1, group) * per_head + STAGE_SLACK
 
 
 def why_not(q, k, v, bias, *, dropout: bool = False, softcap: bool = False,
@@ -514,7 +520,7 @@ def why_not(q, k, v, bias, *, dropout: bool = False, softcap: bool = False,
         if not _row_offsets_fit(t, rows):
             return f"{name}'s strides {tuple(t.stride())} overflow int32 tile offsets"
     budget = smem_limit(q.device)  # None on the CPU: no limit
-    need = stage_bytes(direction, Lq, Lk, D, Dv, q.dtype, bias)
+    need = stage_bytes(direction, Lq, Lk, D, Dv, q.dtype, bias, Hq // Hkv)
     if budget is not None and need > budget:
         return f"its {direction} tiles need {need // 1024} KB of shared memory (> {budget // 1024} KB)"
     if need_dbias and deterministic and bias is not None:
@@ -602,12 +608,12 @@ def _common(direction: str, q, k, v, bias, is_causal: bool, scale: float, dropou
         consts=consts)
 
 
-def _config(direction, config, units, Lq, Lk, D, Dv, q, bias) -> SmallConfig:
+def _config(direction, config, units, Lq, Lk, D, Dv, q, bias, group: int = 1) -> SmallConfig:
     if config is None:
         Lq, Lk = hint(Lq), hint(Lk)
         return default_config(direction, hint(units), Lq, Lk, D, Dv, q.dtype,
                               sm_count(q.device) or _H100_SMS,
-                              stage_bytes(direction, Lq, Lk, D, Dv, q.dtype, bias),
+                              stage_bytes(direction, Lq, Lk, D, Dv, q.dtype, bias, group),
                               smem_limit(q.device))
     cfg = SmallConfig(*config)
     if cfg.problems_per_program < 1 or cfg.num_warps < 1 or cfg.num_stages < 1:
@@ -638,7 +644,7 @@ def forward(q, k, v, bias, *, is_causal: bool, scale: float, lse: torch.Tensor,
     units = c.B * c.Hkv
     if units == 0:
         return
-    cfg = _config("fwd", config, units, c.Lq, c.Lk, c.consts["D"], c.consts["Dv"], q, bias)
+    cfg = _config("fwd", config, units, c.Lq, c.Lk, c.consts["D"], c.consts["Dv"], q, bias, c.consts["GROUP"])
     per_program = cfg.problems_per_program
     if (out is None) == (out_buf is None):
         raise ValueError("give one of out and out_buf")
@@ -718,7 +724,7 @@ def backward(dout, q, k, v, bias, out, lse, *, is_causal: bool, scale: float,
     units = B * Hkv
     if units == 0:
         return
-    cfg = _config("bwd", config, units, Lq, Lk, c.consts["D"], c.consts["Dv"], q, bias)
+    cfg = _config("bwd", config, units, Lq, Lk, c.consts["D"], c.consts["Dv"], q, bias, c.consts["GROUP"])
     if dbias is None:
         plan = _DbiasPlan(NO_DBIAS, True, B, False, cfg.problems_per_program, False)
         dbias_t, dbias_strides = lse, (0, 0, 0, 0)
