@@ -85,6 +85,11 @@ CLASSES = {
     "llama-128": Case((1, 16, 4, 128, 128, 64, 64), "none", causal=True, seen="Llama 1x128 (shapes table)"),
     "llama-512-fp32": Case((8, 16, 4, 512, 512, 64, 64), "none", causal=True, dtype="float32",
                            seen="Llama 8x512 in float32 (shapes table, HF's default load dtype)"),
+    # non-causal at length (the kernel table's full rows): our op runs cuDNN's forward, which with
+    # its lse was 0.96 of SDPA's cuDNN call without one at D 64 (H100, stop 39); measured as classes,
+    # an inference site weighs the op without the lse ("infer") against SDPA
+    "full-d64-4k": Case((4, 32, 32, 4096, 4096, 64, 64), "none", seen="non-causal D64 4k (kernel table)"),
+    "full-d128-4k": Case((4, 16, 16, 4096, 4096, 128, 128), "none", seen="non-causal D128 4k (kernel table)"),
     # attention dropout at length (the kernel table's dropout rows, benchmarks/attention.py --choice):
     # cuDNN's dropout ran 1.6-1.8x our kernels (issue 28); an SDPA call is the candidate that has it
     "drop-d64-4k": Case((4, 32, 32, 4096, 4096, 64, 64), "none", causal=True, dropout=0.1,
