@@ -48,7 +48,7 @@ def test_lengths_where_it_wins(with_cudnn, Lq, fwd, bwd):
 @pytest.mark.parametrize("change, reason", [
     (dict(capability=(8, 0)), "measured on sm 90 only"),
     (dict(dtype=torch.float32), "torch.float32"),
-    (dict(D=72, Dv=64), "head dims 72/64"),
+    (dict(D=72, Dv=64), "head dims 72/64 (equal, multiples of 8 up to 256)"),
     (dict(bias=True), "a bias"),
     (dict(dropout=True), "dropout"),
     (dict(softcap=True), "softcap"),

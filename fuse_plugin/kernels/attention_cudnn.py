@@ -59,14 +59,22 @@ def why_not(q, k, v, bias, *, is_causal: bool, capability: tuple[int, int], drop
         return "no cuDNN"
     if tuple(capability) != CAPABILITY:
         return f"measured on sm {CAPABILITY[0]}{CAPABILITY[1]} only"
+    return plain_problem(q, k, v, is_causal, MAX_HEAD_DIM, {
+        "a bias": bias is not None, "dropout": dropout, "softcap": softcap, "a replace mask": replace,
+        "rope": rope, "dbias": need_dbias, "deterministic mode": deterministic})
+
+
+def plain_problem(q, k, v, is_causal: bool, max_head_dim: int, features: dict) -> Optional[str]:
+    """Why an ATen kernel for plain problems (cuDNN's, the flash forward: attention_flash.py)
+    cannot run a call (None: it can): a dtype other than fp16 / bf16, head dims unequal, not
+    multiples of 8 or above ``max_head_dim``, one of ``features`` ({what: present}), or causal
+    with Lq != Lk (their causal masks are aligned otherwise than the op's top-left one)."""
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"{q.dtype}"
     D, Dv = q.shape[-1], v.shape[-1]
-    if D != Dv or D % 8 or D > MAX_HEAD_DIM:
-        return f"head dims {D}/{Dv}"
-    for what, on in (("a bias", bias is not None), ("dropout", dropout), ("softcap", softcap),
-                     ("a replace mask", replace), ("rope", rope), ("dbias", need_dbias),
-                     ("deterministic mode", deterministic)):
+    if D != Dv or D % 8 or D > max_head_dim:
+        return f"head dims {D}/{Dv} (equal, multiples of 8 up to {max_head_dim})"
+    for what, on in features.items():
         if on:
             return what
     if is_causal and q.shape[2] != k.shape[2]:

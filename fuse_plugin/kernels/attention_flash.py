@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from . import attention_cudnn
+
 aten = torch.ops.aten
 
 MAX_HEAD_DIM = 256
@@ -50,18 +52,9 @@ def why_not(q, k, v, bias, *, is_causal: bool, capability: tuple[int, int], drop
         return "flash attention is disabled (torch.backends.cuda.enable_flash_sdp)"
     if tuple(capability) < MIN_CAPABILITY:
         return f"sm {capability[0]}{capability[1]} (FlashAttention-2 needs sm 80 or later)"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"{q.dtype}"
-    D, Dv = q.shape[-1], v.shape[-1]
-    if D != Dv or D % 8 or D > MAX_HEAD_DIM:
-        return f"head dims {D}/{Dv} (equal, multiples of 8 up to {MAX_HEAD_DIM})"
-    for what, on in (("a bias", bias is not None), ("dropout", dropout), ("softcap", softcap),
-                     ("a replace mask", replace), ("rope", rope)):
-        if on:
-            return what
-    if is_causal and q.shape[2] != k.shape[2]:
-        return "causal with Lq != Lk (its causal mask is bottom-right aligned)"
-    return None
+    return attention_cudnn.plain_problem(q, k, v, is_causal, MAX_HEAD_DIM, {
+        "a bias": bias is not None, "dropout": dropout, "softcap": softcap, "a replace mask": replace,
+        "rope": rope})
 
 
 def forward(q, k, v, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
