@@ -128,16 +128,22 @@ def entries_of(path, gpu_name: str) -> dict:
 
 def clear_cache() -> None:
     _entries.cache_clear()
+    _entry.cache_clear()
 
 
 def lookup(device: torch.device, key: Optional[str]) -> Optional[dict]:
     """The entry measured for the class ``key`` on ``device`` ({"fwd": {family: us}, "bwd":
     {family: us}, "inductor" / "sdpa": {"fwd": us, "train": us}, "small": {...}}, each part
-    possibly empty), or None."""
+    possibly empty), or None. Built once per (GPU, class, table): an eager call reads it for its
+    family (``measured``) and again for cuDNN's lse (``lse_free``); callers do not change it."""
     if key is None or device.type != "cuda":
         return None
-    index = device.index if device.index is not None else 0
-    entry = _entries(index, settings.choice_table()).get(key)
+    return _entry(device.index if device.index is not None else 0, key, settings.choice_table())
+
+
+@functools.lru_cache(maxsize=None)
+def _entry(index: int, key: str, env: Optional[str]) -> Optional[dict]:
+    entry = _entries(index, env).get(key)
     if not isinstance(entry, dict):
         return None
     out = {"small": entry.get("small") if isinstance(entry.get("small"), dict) else {}}
