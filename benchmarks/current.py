@@ -565,6 +565,29 @@ def take_zoo(data: dict, zoo_json: Path, stop: str, code: Optional[str] = None) 
     return {**data, "zoo": zoo}
 
 
+def choice_rows(tables: list) -> list:
+    """The kernel table's rows (current.json "choice" > "rows") from ``attention.py --choice --json``
+    outputs (several where the table took several calls: their rows in order). A pair that was
+    re-timed (attention._confirm) shows its re-timed ms and ratio."""
+    rows = []
+    for table in tables:
+        for r in table["rows"]:
+            ms, site, fastest, retimed = r["ms"], r["site"], r["fastest"], r.get("retimed", {})
+
+            def shown(mode, name, first):
+                again = retimed.get(mode, {}).get("ms", {}).get(name)
+                return f"{name} {first:.3f}" if again is None else f"{name} {again:.3f} (re-timed; first {first:.3f})"
+            t = fastest["train"]
+            rows.append({"row": r["row"], "chosen": f"{r['chosen']['fwd']} / {r['chosen']['bwd']}",
+                         "chosen_ms": [round(x, 3) for x in ms["chosen"][:2]],
+                         "site_infer": shown("fwd", site["fwd"]["impl"], site["fwd"]["ms"]),
+                         "site_train": shown("train", site["train"]["impl"], site["train"]["ms"]),
+                         "fastest_infer": shown("fwd", fastest["fwd"], ms[fastest["fwd"]][0]),
+                         "fastest_train": t if "train" not in retimed else shown("train", t, retimed["train"]["ms"][t]),
+                         "site_vs_fastest": [round(r["site_vs_fastest"][m], 2) for m in ("fwd", "train")]})
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=JSON)
@@ -573,8 +596,15 @@ def main(argv=None) -> int:
     parser.add_argument("--zoo", type=Path, default=None, help="benchmarks/zoo.py --json output to take as the zoo entry")
     parser.add_argument("--stop", default=None, help="with --zoo: the stop it was measured in, e.g. 'stop 22'")
     parser.add_argument("--code", default=None, help="with --zoo: the commit it ran on")
+    parser.add_argument("--choice", type=Path, nargs="+", default=None,
+                        help="attention.py --choice --json outputs (in row order) to take as the kernel table's rows "
+                             "(its provenance and note are edited by hand)")
     args = parser.parse_args(argv)
     data = load(args.json)
+    if args.choice:
+        rows = choice_rows([json.loads(p.read_text()) for p in args.choice])
+        data = {**data, "choice": {**data["choice"], "rows": rows}}
+        dump(data, args.json)
     if args.zoo:
         if not args.stop:
             parser.error("--zoo needs --stop")

@@ -89,6 +89,7 @@ def test_the_kernel_choice_table_runs(tiny, monkeypatch):
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "attention_bench", bench)
     spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "CONFIRM_BELOW", float("inf"))  # every pair of two re-timed
     lines, data = bench.choice_table(log=lambda *a: None, cases=[("tiny", tiny)], device="cpu")
     assert data[0]["chosen"] == {"fwd": "general", "bwd": "general"}  # nothing measured: the rules
     assert {"chosen", "chosen-infer", "general", "small", "inductor"} <= set(data[0]["ms"])
@@ -98,3 +99,41 @@ def test_the_kernel_choice_table_runs(tiny, monkeypatch):
     # its logsumexp, as an inference site calls it) and training
     assert data[0]["site"]["fwd"]["impl"] == "chosen-infer" and data[0]["site"]["train"]["impl"] == "chosen"
     assert set(data[0]["site_vs_fastest"]) == {"fwd", "train"} and cells[7].count("/") == 1
+    # a site under CONFIRM_BELOW of the fastest (CPU wall times: likely) is re-timed against it
+    d = data[0]
+    assert set(d["retimed"]) == {m for m in ("fwd", "train")  # (Inductor's calls are not kept to re-time)
+                                 if d["fastest"][m] not in ("inductor", d["site"][m]["impl"])}
+    for mode, r in data[0]["retimed"].items():
+        assert set(r["ms"]) == {data[0]["site"][mode]["impl"], data[0]["fastest"][mode]}
+        assert abs(data[0]["site_vs_fastest"][mode] - r["ms"][data[0]["fastest"][mode]]
+                   / r["ms"][data[0]["site"][mode]["impl"]]) < 1e-9
+    # current.py takes the JSON as RESULTS' kernel-table rows
+    import current
+
+    row, = current.choice_rows([{"rows": data}])
+    assert row["row"] == "tiny" and row["chosen"] == "general / general" and len(row["site_vs_fastest"]) == 2
+    assert row["site_infer"].startswith("chosen-infer ") and row["site_train"].startswith("chosen ")
+
+
+def test_confirm_retimes_the_pair_alternately(monkeypatch):
+    """attention._confirm: the site and the fastest re-timed in interleaved rounds, medians; None
+    where one of them has no timed calls (Inductor's)."""
+    import importlib.util
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
+    spec = importlib.util.spec_from_file_location("attention_bench", os.path.join(root, "benchmarks", "attention.py"))
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "attention_bench", bench)
+    spec.loader.exec_module(bench)
+    order, times = [], {"a": iter([5.0, 1.0, 2.0]), "b": iter([3.0, 3.0, 9.0])}
+
+    def thunk(name):
+        return lambda: order.append(name)
+    monkeypatch.setattr(bench, "_device_ms", lambda fn: (fn(), next(times[order[-1]]))[1])
+    got = bench._confirm({"a": {"fwd": thunk("a")}, "b": {"infer": thunk("b"), "train": thunk("b")}},
+                         ("a", "b"), "fwd", rounds=3)
+    assert got == {"a": 2.0, "b": 3.0} and order == ["a", "b"] * 3
+    assert bench._confirm({"a": {"fwd": thunk("a")}, "b": {"infer": thunk("b")}}, ("a", "b"), "train") is None
+    assert bench._confirm({"a": {"fwd": thunk("a")}}, ("a", "inductor"), "fwd") is None
