@@ -462,7 +462,7 @@ def site_times(times, decisions):
     return out
 
 
-def choice_table(log=print, cases=None, device="cuda"):
+def choice_table(log=print, cases=None, device="cuda", on_row=None):
     """The choice table's rows (markdown) and their numbers (for --json). Two views per row: the
     op's families (what `fuse_plugin::attention` runs when called: chosen vs fastest of all), and
     the site (what the rewrite does with a hand-written site of that problem, from the shipped
@@ -506,6 +506,8 @@ def choice_table(log=print, cases=None, device="cuda"):
                      "site": {m: {"impl": site[m][0], "ms": site[m][1], "reason": decisions[m].reason}
                               for m in site}, "site_vs_fastest": {"fwd": site_vs[0], "train": site_vs[1]},
                      "fastest": {"fwd": fastest[0][1], "train": train[1]}, "retimed": retimed})
+        if on_row is not None:  # (main: the table so far written out, so that a call cut by its limit keeps it)
+            on_row(lines, data)
         if device == "cuda":
             torch.cuda.empty_cache()
     return lines, data
@@ -554,13 +556,14 @@ def main():
         if args.rows:
             start, stop = (int(x) if x else None for x in args.rows.split(":"))
             cases = cases[start:stop]
-        lines, data = choice_table(cases=cases)
+        def write(lines, data):
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"head": head[0], "rows": data}, f, indent=1)
+        lines, data = choice_table(cases=cases, on_row=None if args.warm else write)
         if args.warm:
             return
         emit(head + lines, args.out)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"head": head[0], "rows": data}, f, indent=1)
         return
     if args.rope_only:
         emit([f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
