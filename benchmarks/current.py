@@ -578,12 +578,13 @@ def choice_rows(tables: list) -> list:
                 again = retimed.get(mode, {}).get("ms", {}).get(name)
                 return f"{name} {first:.3f}" if again is None else f"{name} {again:.3f} (re-timed; first {first:.3f})"
             t = fastest["train"]
+            t_ms = ms[t][2] if len(ms[t]) > 2 else ms[t][0] + ms[t][1]  # (attention._train_ms)
             rows.append({"row": r["row"], "chosen": f"{r['chosen']['fwd']} / {r['chosen']['bwd']}",
                          "chosen_ms": [round(x, 3) for x in ms["chosen"][:2]],
                          "site_infer": shown("fwd", site["fwd"]["impl"], site["fwd"]["ms"]),
                          "site_train": shown("train", site["train"]["impl"], site["train"]["ms"]),
                          "fastest_infer": shown("fwd", fastest["fwd"], ms[fastest["fwd"]][0]),
-                         "fastest_train": t if "train" not in retimed else shown("train", t, retimed["train"]["ms"][t]),
+                         "fastest_train": t if "train" not in retimed else shown("train", t, t_ms),
                          "site_vs_fastest": [round(r["site_vs_fastest"][m], 2) for m in ("fwd", "train")]})
     return rows
 

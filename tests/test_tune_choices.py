@@ -113,6 +113,15 @@ def test_the_kernel_choice_table_runs(tiny, monkeypatch):
     row, = current.choice_rows([{"rows": data}])
     assert row["row"] == "tiny" and row["chosen"] == "general / general" and len(row["site_vs_fastest"]) == 2
     assert row["site_infer"].startswith("chosen-infer ") and row["site_train"].startswith("chosen ")
+    # a re-timed pair shows its re-timed ms beside the first
+    retimed = {**d, "ms": {"chosen": [1.0, 2.0], "chosen-infer": [0.9, None], "sdpa": [0.8, 2.0, 2.5]},
+               "site": {"fwd": {"impl": "chosen-infer", "ms": 0.9}, "train": {"impl": "chosen", "ms": 3.0}},
+               "fastest": {"fwd": "sdpa", "train": "sdpa"}, "site_vs_fastest": {"fwd": 0.97, "train": 0.99},
+               "retimed": {"train": {"first": 0.83, "ms": {"chosen": 2.6, "sdpa": 2.57}}}}
+    row, = current.choice_rows([{"rows": [retimed]}])
+    assert row["site_train"] == "chosen 2.600 (re-timed; first 3.000)"
+    assert row["fastest_train"] == "sdpa 2.570 (re-timed; first 2.500)" and row["fastest_infer"] == "sdpa 0.800"
+    assert row["site_vs_fastest"] == [0.97, 0.99]
 
 
 def test_confirm_retimes_the_pair_alternately(monkeypatch):
