@@ -77,18 +77,24 @@ def test_the_written_table_is_read_back(tmp_path, monkeypatch):
     assert os.path.basename(str(choice_table.path_for((9, 0)))) == "attention_choices_sm90.json"
 
 
-def test_the_kernel_choice_table_runs(tiny, monkeypatch):
-    """benchmarks/attention.py --choice, one tiny row on the CPU (no SDPA columns there): every
-    family that can run the row timed, the chosen one named, the ratio column filled."""
+@pytest.fixture
+def bench(monkeypatch):
+    """benchmarks/attention.py as a module (benchmarks/ on the path, for its `common` import)."""
     import importlib.util
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
     spec = importlib.util.spec_from_file_location("attention_bench", os.path.join(root, "benchmarks", "attention.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "attention_bench", bench)
-    spec.loader.exec_module(bench)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "attention_bench", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_kernel_choice_table_runs(tiny, bench, monkeypatch):
+    """benchmarks/attention.py --choice, one tiny row on the CPU (no SDPA columns there): every
+    family that can run the row timed, the chosen one named, the ratio column filled."""
     monkeypatch.setattr(bench, "CONFIRM_BELOW", float("inf"))  # every pair of two re-timed
     lines, data = bench.choice_table(log=lambda *a: None, cases=[("tiny", tiny)], device="cpu")
     assert data[0]["chosen"] == {"fwd": "general", "bwd": "general"}  # nothing measured: the rules
@@ -124,18 +130,9 @@ def test_the_kernel_choice_table_runs(tiny, monkeypatch):
     assert row["site_vs_fastest"] == [0.97, 0.99]
 
 
-def test_confirm_retimes_the_pair_alternately(monkeypatch):
+def test_confirm_retimes_the_pair_alternately(bench, monkeypatch):
     """attention._confirm: the site and the fastest re-timed in interleaved rounds, medians; None
     where one of them has no timed calls (Inductor's)."""
-    import importlib.util
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.syspath_prepend(os.path.join(root, "benchmarks"))
-    spec = importlib.util.spec_from_file_location("attention_bench", os.path.join(root, "benchmarks", "attention.py"))
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "attention_bench", bench)
-    spec.loader.exec_module(bench)
     order, times = [], {"a": iter([5.0, 1.0, 2.0]), "b": iter([3.0, 3.0, 9.0])}
 
     def thunk(name):
