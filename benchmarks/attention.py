@@ -304,9 +304,10 @@ def choice_row(label, case, log, device="cuda"):
             thunks["chosen-infer"] = {"fwd": infer}
         for fam, why in registry.reasons(call).items():
             if why is None:
+                run = _forced(fam, fn)
                 try:
-                    times.setdefault(fam, [None, None])[direction == "bwd"] = _device_ms(_forced(fam, fn))
-                    thunks.setdefault(fam, {})[direction] = _forced(fam, fn)
+                    times.setdefault(fam, [None, None])[direction == "bwd"] = _device_ms(run)
+                    thunks.setdefault(fam, {})[direction] = run
                 except Exception as e:  # noqa: BLE001
                     log(f"{label}: {fam} {direction} failed: {e!r:.200}")
     # SDPA's backends (k/v repeated for GQA by enable_gqa; a window-periodic bias materialised
