@@ -196,8 +196,9 @@ CASES = {
         bias="bool_keypad", layout="blhd", config=(3, 4, 2)),
     # A float key-padding bias (B, 1, 1, Lk): dbias summed over the queries in the kernel and
     # over a GQA group's heads and the kv heads (a slot of 2 units, one unit per program).
-    "fp32-gqa-keypad-dbias-l100-d64": dict(
-        dtype=torch.float32, B=2, Hq=4, Hkv=2, Lq=100, Lk=100, D=64, Dv=64, bias="keypad",
+    # (Lq 100 too would pass an H100's shared memory in fp32 GQA: test_cases_fit_an_h100.)
+    "fp32-gqa-keypad-dbias-lq60-lk100-d64": dict(
+        dtype=torch.float32, B=2, Hq=4, Hkv=2, Lq=60, Lk=100, D=64, Dv=64, bias="keypad",
         need_dbias=True),
     # BERT-like full tiles: L 128, D 128, a full (B, H, L, L) bias (dbias stored per problem).
     "bf16-full-bias-l128-d128-dbias": dict(
@@ -205,8 +206,9 @@ CASES = {
         need_dbias=True),
     # A per-head bias expanded over the batch (stride 0, Pb = B), dbias (1, H, L, L) with GQA:
     # a unit's heads feed different slots in turn (atomics); D 80 (a padded head dim), causal.
-    "fp32-gqa-head-bias-dbias-d80-causal": dict(
-        dtype=torch.float32, B=3, Hq=4, Hkv=2, Lq=64, Lk=64, D=80, Dv=80, causal=True,
+    # L 31: at L 64 the fp32 GQA backward's tiles pass an H100's shared memory.
+    "fp32-gqa-head-bias-dbias-d80-causal-l31": dict(
+        dtype=torch.float32, B=3, Hq=4, Hkv=2, Lq=31, Lk=31, D=80, Dv=80, causal=True,
         bias="head", need_dbias=True),
     # The same bias given as Pb = 1, causal with Lq > Lk, fp16, 2 units per program (each
     # slot's 2 batches in one program: stores).
@@ -227,6 +229,25 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_matches_reference(case):
     run_case(**case)
+
+
+H100_SHARED_MEMORY = 232448  # bytes a block may take (Triton's max_shared_mem on an H100)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_cases_fit_an_h100(direction, monkeypatch):
+    """Every case is a problem the family takes on an H100, in both directions: on the CPU
+    ``why_not`` knows no shared-memory limit, so a case past it would pass in CI and fail on
+    the GPU (two did, stop 41: fp32 GQA backwards at L 64-100)."""
+    monkeypatch.setattr(small, "smem_limit", lambda device: H100_SHARED_MEMORY)
+    for name, c in CASES.items():
+        q, k, v = make_qkv(c["B"], c["Hq"], c["Hkv"], c["Lq"], c["Lk"], c["D"], c["Dv"],
+                           c["dtype"], c.get("layout", "bhld"))
+        _, bias, _ = make_bias(c.get("bias"), c["B"], c["Hq"], c["Lq"], c["Lk"], c["dtype"],
+                               c.get("nW"))
+        reason = small.why_not(q, k, v, bias, need_dbias=c.get("need_dbias", False),
+                               direction=direction)
+        assert reason is None, f"{name}: {reason}"
 
 
 def _rows_masked(dtype):
