@@ -5,6 +5,8 @@
 # PREPASS (N: every (row, variant) compiled alone first, N at a time; PREPASS_LIMIT s, default 240),
 # ROUNDS (zoo.py's --rounds, default 5), VARIANTS (zoo.py's --variants), PROFILE (N profiled steps per variant).
 # On a machine of several GPUs the rows build spread over them and still time one at a time.
+# A one-GPU, 16-core machine builds ~16 of default mode's 20 rows in one call (stop 41, H100):
+# there, two calls of half the models each (MODELS=vit_s16,deit3_s,eva02_ti,swin_t,beit_b, then the rest).
 # Writes $OUT/zoo_<modes>.{md,json,log}; prints the table last.
 source "$(dirname "$0")/device_setup.sh"
 M=${MODES:-default}
