@@ -393,10 +393,10 @@ def test_a_gqa_backward_counts_its_query_heads(monkeypatch):
     unrolled group loop). Llama 1 x 128 (bf16, D 64, GQA 16/4): every backward config failed on
     the H100 (362-364 KB at 2 stages); the family now says so before compiling. The forward, and
     the same backward without GQA, still fit."""
-    monkeypatch.setattr(small, "smem_limit", lambda device: 232448)  # the H100's
+    monkeypatch.setattr(small, "smem_limit", lambda device: H100_SHARED_MEMORY)
     q = _t(1, 16, 128, 64, dtype=torch.bfloat16)
     kv = _t(1, 4, 128, 64, dtype=torch.bfloat16)
-    assert small.stage_bytes("bwd", 128, 128, 64, 64, torch.bfloat16, None, 4) > 232448
+    assert small.stage_bytes("bwd", 128, 128, 64, 64, torch.bfloat16, None, 4) > H100_SHARED_MEMORY
     assert small.stage_bytes("bwd", 128, 128, 64, 64, torch.bfloat16, None) == \
         small.stage_bytes("bwd", 128, 128, 64, 64, torch.bfloat16, None, 1)
     reason = small.why_not(q, kv, kv, None, direction="bwd")
