@@ -3,7 +3,7 @@
 #   MODES=default bash benchmarks/device_zoo.sh      (from the repo root; $OUT: where results go)
 # MODELS (comma-separated, default all), TASKS, MODES, PARALLEL (default 20), DEADLINE (s, default 530),
 # PREPASS (N: every (row, variant) compiled alone first, N at a time; PREPASS_LIMIT s, default 240),
-# ROUNDS (zoo.py's --rounds, default 5), VARIANTS (zoo.py's --variants), PROFILE (N profiled steps per variant).
+# ROUNDS (zoo.py's --rounds, default 5), STEPS (zoo.py's --steps, default 10), VARIANTS (zoo.py's --variants), PROFILE (N profiled steps per variant).
 # On a machine of several GPUs the rows build spread over them and still time one at a time.
 # A one-GPU, 16-core machine builds ~16 of default mode's 20 rows in one call (stop 41, H100):
 # there, two calls of half the models each (MODELS=vit_s16,deit3_s,eva02_ti,swin_t,beit_b, then the rest).
@@ -14,6 +14,7 @@ F=${M//,/+}  # no commas in $OUT's names
 ARGS=(--modes "$M" --tasks "${TASKS:-infer,train}" --parallel "${PARALLEL:-20}" --deadline "${DEADLINE:-530}")
 [ -n "${MODELS:-}" ] && ARGS+=(--models "$MODELS")
 [ -n "${ROUNDS:-}" ] && ARGS+=(--rounds "$ROUNDS")
+[ -n "${STEPS:-}" ] && ARGS+=(--steps "$STEPS")  # e.g. STEPS=2 ROUNDS=30: host-bound rows paired finer
 [ -n "${VARIANTS:-}" ] && ARGS+=(--variants "$VARIANTS")  # e.g. compile,fused+compile,plugin-fused
 [ -n "${PROFILE:-}" ] && ARGS+=(--profile "$PROFILE")  # N steps profiled per variant (host/GPU time, top kernels)
 [ -n "${PREPASS:-}" ] && ARGS+=(--prepass "$PREPASS" --prepass-limit "${PREPASS_LIMIT:-240}")
