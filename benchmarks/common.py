@@ -63,12 +63,16 @@ def graph_ms(fn, rep: int = 50) -> float:
     return min(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") for _ in range(2))
 
 
-def timed_run(step, steps: int, sync=None) -> float:
+def timed_run(step, steps: int, sync=None, issued: list | None = None) -> float:
     """Wall seconds of ``steps`` calls of ``step``, synchronised once (``sync``, default
     torch.cuda.synchronize) at the end, with Python's garbage collector off (as timeit does): a
     collection of the process's millions of objects (every variant's model and compiled graphs)
     takes tens of ms and lands at random in one variant's round, which spread host-bound cells by
-    up to 50% (stop 17's bert-train rounds). Collected after. shapes.py, zoo.py, padding.py."""
+    up to 50% (stop 17's bert-train rounds). Collected after. shapes.py, zoo.py, padding.py.
+
+    ``issued``: a list that gets the seconds until the last call returned, before the sync (the
+    host's issue time; the wall minus it is the GPU's tail). Where the two are close the run is
+    host-bound: a variant then wins or loses by its host work, not by its kernels."""
     import gc
 
     import torch
@@ -78,6 +82,8 @@ def timed_run(step, steps: int, sync=None) -> float:
         t0 = time.perf_counter()
         for _ in range(steps):
             step()
+        if issued is not None:
+            issued.append(time.perf_counter() - t0)
         (sync or torch.cuda.synchronize)()
         return time.perf_counter() - t0
     finally:

@@ -44,8 +44,9 @@ plugin's logits of its first warm-up step against the eager hand-written model's
 same dtype (max |diff|, and that over max |eager logit|; printed, never a failure); ``graphs`` =
 Dynamo graphs compiled per variant, in column order (more than 1: a graph break or a recompile);
 ``recompiles`` = graphs compiled during the timed rounds (must be 0). The JSON (``--json``) has
-every number: each variant's rounds, compile seconds, parity; each row's build wall and CPU
-seconds, timing seconds, peak GPU memory reserved.
+every number: each variant's rounds (wall, and the host's issue time before each round's sync: a
+row whose two are close is host-bound; printed per row in the log), compile seconds, parity; each
+row's build wall and CPU seconds, timing seconds, peak GPU memory reserved.
 
 Models for parity: stochastic depth and dropout off (Swin's default drop_path_rate 0.1 made a
 training row's logits random) and every layer-scale gamma 1 (timm inits them to 1e-5 in CaiT,
@@ -481,16 +482,18 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
     # runs (shapes.py's method) walk only what the rounds allocate, not every object of the process.
     gc.collect()
     gc.freeze()
-    times = {v: [] for v in steps}
+    times, issued = {v: [] for v in steps}, {v: [] for v in steps}
     graphs, t1 = graphs_compiled(), time.perf_counter()
     for i in range(args.rounds):
         for variant in round_order(list(steps), i):
             with _variant_context(variant):
-                times[variant].append(timed_run(steps[variant][0], args.steps, lambda: sync(args.device)))
+                times[variant].append(timed_run(steps[variant][0], args.steps, lambda: sync(args.device),
+                                                issued[variant]))
     row["recompiles"], row["timing_s"] = graphs_compiled() - graphs, time.perf_counter() - t1
     for variant, rounds in times.items():
         ts, cell = sorted(rounds), row["variants"][variant]
         cell["rounds_s"] = rounds  # in the order they ran (the host's drift shows in it)
+        cell["issue_s"] = issued[variant]  # each round's host issue time (common.timed_run)
         cell["img_s"] = args.batch * args.steps / ts[len(ts) // 2]
         cell["best_img_s"] = args.batch * args.steps / ts[0]
     gc.unfreeze()
@@ -503,6 +506,8 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
             row["variants"][variant]["profile"] = profile_steps(
                 step, args.profile, f"{model_name} {task} {mode} {variant}")
         log(row["variants"][variant]["profile"])
+    log(f"  {model_name} {task} {mode}, ms a step, host issue / wall (medians): " + "  ".join(
+        f"{v} {issue_ms(row, v, args.steps)}" for v in times))
     log(f"  {model_name} {task} {mode}: " + "  ".join(f"{v} {fmt_cell(row, v)}" for v in row["variants"])
         + f"  plugin/best {row['plugin_vs_best'] or '-'}  (build {row['build_s']:.0f} s, total "
         f"{time.perf_counter() - t0:.0f} s)")
@@ -513,6 +518,14 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
 # --------------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------------
+
+
+def issue_ms(row, variant, steps) -> str:
+    """``variant``'s median host issue time and median wall time per step, in ms ("a / b"): a
+    host-bound cell has the two close (``issue_s`` and ``rounds_s`` of its rounds)."""
+    cell = row["variants"][variant]
+    med = [sorted(t)[len(t) // 2] * 1e3 / steps for t in (cell.get("issue_s") or [0.0], cell["rounds_s"])]
+    return f"{med[0]:.1f} / {med[1]:.1f}"
 
 
 def img_s(row, variant):

@@ -182,6 +182,9 @@ def test_row_in_process_eager_and_no_fused_path(monkeypatch):
     assert row["fused_path"] == {"_TinyAttention": 2} and row["recompiles"] == 0 and "error" not in row
     eager = row["variants"]["eager"]
     assert eager["max_abs"] == 0.0 and eager["graphs"] == 0 and eager["img_s"] > 0 and len(eager["rounds_s"]) == 1
+    # each round's host issue time, taken before its sync: never more than its wall time
+    assert len(eager["issue_s"]) == 1 and 0 < eager["issue_s"][0] <= eager["rounds_s"][0]
+    assert re.fullmatch(r"\d+\.\d / \d+\.\d", zoo.issue_ms(row, "eager", args.steps))
     # a model with no fused_attn anywhere (LeViT): fused+compile is not built, the row says why
     monkeypatch.setattr(zoo, "create", lambda name: (torch.manual_seed(0), zoo.TinyViT(fused_path=False))[1])
     args.variants = ["eager", "fused+compile"]
