@@ -14,6 +14,7 @@ from . import autopatch, settings
 from .patterns import rewrite
 
 NAME = "fuse_plugin"
+STATIC_LAUNCH_OPTION = "static_launch_user_defined_triton_kernels"  # Inductor's (torch 2.8 and later)
 _ENTRY_POINT_GROUP = "torch_dynamo_backends"
 
 
@@ -25,6 +26,10 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
     if mode not in (None, "default"):
         config_patches.update(list_mode_options(mode))
     config_patches.update(options or {})
+    if settings.static_launch() and hasattr(torch._inductor.config, STATIC_LAUNCH_OPTION):
+        # our traced kernels through Inductor's static launcher too (settings.static_launch); an
+        # option the user gave wins
+        config_patches.setdefault(STATIC_LAUNCH_OPTION, True)
     if settings.rewrite_enabled():
         rewrite(gm)
         if torch.distributed.is_available():  # under PyTorch's context_parallel(...): our sites to the ring

@@ -16,6 +16,7 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_ROTARY_SITES | auto, ours, off | a matched rotary embedding: left as written where a graph is compiled for CUDA with static shapes, the rotary rotates halves (rotate_half; interleaved pairs stay our op where nothing needs a gradient) and is not folded into an attention (auto: Inductor fuses that eager spelling into its neighbours, measured faster than our op's decomposition); always our op (ours); never (off) | patterns/choice.py |
 | FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
 | FUSE_PLUGIN_KEY_PADDING_SKIP | auto, on, off | the general kernels skip the key blocks a per-key padding mask hides (kernels/key_range.py): auto where measured faster (at least 1024 keys and the work of a 32 x 12 x 1024 x 1024 problem), on from 256 keys, off: every key block visited and the padded ones masked | kernels/key_range.py |
+| FUSE_PLUGIN_STATIC_LAUNCH | off, on | on (experimental, not yet measured on a GPU): graphs compiled by ``backend="fuse_plugin"`` launch our traced kernels through Inductor's static CUDA launcher, as Inductor launches its own (its ``static_launch_user_defined_triton_kernels``; a torch without it: no change), and a launch with TMA descriptors, which that launcher cannot take, leaves its op opaque (benchmarks/NOTES.md, attempt 59) | backend.py, kernels/launch.py |
 
 Booleans take ``1 true on yes`` and ``0 false off no``, in any case; choices take their listed
 values in any case; surrounding blanks are ignored and an unset or blank switch has its default.
@@ -57,6 +58,7 @@ SITE_CHOICE = "FUSE_PLUGIN_SITE_CHOICE"
 SDPA_SITES = "FUSE_PLUGIN_SDPA_SITES"
 ROTARY_SITES = "FUSE_PLUGIN_ROTARY_SITES"
 KEY_PADDING_SKIP = "FUSE_PLUGIN_KEY_PADDING_SKIP"
+STATIC_LAUNCH = "FUSE_PLUGIN_STATIC_LAUNCH"
 
 TRUE = ("1", "true", "on", "yes")
 FALSE = ("0", "false", "off", "no")
@@ -195,6 +197,14 @@ def key_padding_skip() -> str:
     return "on" if value.lower() in TRUE else "off"
 
 
+def static_launch() -> bool:
+    """Do graphs compiled by the named backend launch our traced kernels through Inductor's static
+    CUDA launcher (`FUSE_PLUGIN_STATIC_LAUNCH`, default off)? Inductor launches its own kernels
+    through it and user kernels (ours) through Triton's launcher, whose host cost per launch read
+    2-4x Inductor's in a profile of host-bound zoo rows (stop 42). Off until measured faster."""
+    return boolean(STATIC_LAUNCH, False)
+
+
 # ------------------------------------------------------------------------------------------------
 # Per thread
 # ------------------------------------------------------------------------------------------------
@@ -219,10 +229,12 @@ def key() -> str:
     """What of the settings changes the compiled graph (part of the FX-graph-cache key, see
     autopatch.FusePluginPass.uuid): the rewrite's switches, whether the ops decompose into their
     launches (ops/inductor.py), the launch-config and choice tables they read and the kernel
-    family they are held to, whether the kernels skip padded key blocks. Not here: AUTOPATCH (read
+    family they are held to, whether the kernels skip padded key blocks, whether their launches may
+go through Inductor's static launcher. Not here: AUTOPATCH (read
     once, at import) and CPU_KERNELS (run time;
     a CPU op stays one opaque call in the graph)."""
     return (f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()},"
             f"inductor_launch={inductor_launch()},table={attention_table()},"
             f"choices={choice_table()},family={attention_family()},site={site_choice()},"
-            f"sdpa={sdpa_sites()},rotary={rotary_sites()},key_padding_skip={key_padding_skip()}")
+            f"sdpa={sdpa_sites()},rotary={rotary_sites()},key_padding_skip={key_padding_skip()},"
+            f"static_launch={static_launch()}")

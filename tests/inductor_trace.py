@@ -522,6 +522,11 @@ def run_case(name: str) -> dict:
 
             with config.patch({"triton.cudagraphs": True}):
                 return summary(CASES["d64_n2000"]())
+        if name in ("static_launch", "static_launch_tma"):  # Inductor's static launcher for user
+            from torch._inductor import config  # kernels (FUSE_PLUGIN_STATIC_LAUNCH): no TMA descriptors
+
+            with config.patch({"static_launch_user_defined_triton_kernels": True}):
+                return summary(CASES["d64_n2000" if name == "static_launch" else "d64_n4000"]())
         if name == "chained_tma":  # one forward's output read by the next one's descriptor
             from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -567,7 +572,7 @@ if __name__ == "__main__":
     warnings.simplefilter("ignore") if "-v" not in sys.argv else None
     sys.argv = [a for a in sys.argv if a != "-v"]
     names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small", "gluon_window", "gluon_window_narrow",
-                             "d64_n2000_cudagraphs", "chained_tma", "head_merge",
+                             "d64_n2000_cudagraphs", "static_launch", "static_launch_tma", "chained_tma", "head_merge",
                              "head_merge_tma", "head_split_grads", "head_split_grads_atomic",
                              "untraceable", "shipped_table",
                              "disabled", "export", *SYMBOLIC_CASES, *CUDNN_CASES, "cudnn_off",

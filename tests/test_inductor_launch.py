@@ -265,6 +265,19 @@ def test_an_untraceable_launch_keeps_its_op_whole(traced):
     assert case["opaque"] == ["fuse_plugin.attention_backward.default"]
 
 
+def test_static_launch_keeps_tma_launches_out(traced):
+    """Under Inductor's static launcher for user kernels (FUSE_PLUGIN_STATIC_LAUNCH), which has
+    no tensor-descriptor argument type: launches without descriptors trace as before; a TMA
+    launch leaves its op opaque (Triton's own launcher runs it), not a compile error."""
+    plain = traced["static_launch"]
+    assert_fully_traced(plain)
+    assert kernels(plain) == [FWD, PRE, ATOMIC]
+    tma = traced["static_launch_tma"]
+    assert "error" not in tma, tma.get("error")
+    assert kernels(tma) == [PRE, ATOMIC]
+    assert tma["opaque"] == ["fuse_plugin.attention.default"]
+
+
 @pytest.mark.parametrize("name", ["cpu", "disabled", "export"])
 def test_ops_stay_opaque_where_they_should(traced, name):
     """CPU tensors (the reference, CI's interpreter path), FUSE_PLUGIN_INDUCTOR_LAUNCH=0 and

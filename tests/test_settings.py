@@ -19,9 +19,11 @@ BOOLEANS = [  # (switch, reader, default)
     (settings.AUTOPATCH, settings.autopatch, True),
     (settings.INDUCTOR_LAUNCH, settings.inductor_launch, True),
     (settings.ROPE_ATTENTION, settings.rope_attention_enabled, False),
+    (settings.STATIC_LAUNCH, settings.static_launch, False),
 ]
 ALL_SWITCHES = (settings.AUTOPATCH, settings.INDUCTOR_LAUNCH, settings.ROPE_ATTENTION, settings.CPU_KERNELS,
-                settings.ATTENTION_TABLE, settings.CHOICE_TABLE, settings.ATTENTION_FAMILY, settings.SITE_CHOICE)
+                settings.ATTENTION_TABLE, settings.CHOICE_TABLE, settings.ATTENTION_FAMILY, settings.SITE_CHOICE,
+                settings.STATIC_LAUNCH)
 
 
 @pytest.fixture(autouse=True)
@@ -216,3 +218,27 @@ def test_the_package_reads_switches_only_through_settings():
                     and re.search(r"FUSE_PLUGIN_|\b_?ENV\b", line)):
                 reads.add((path.relative_to(PACKAGE).as_posix(), line.strip()))
     assert reads <= ALLOWED_READS, sorted(reads - ALLOWED_READS)
+
+
+def test_static_launch_reaches_inductor_only_through_the_named_backend(monkeypatch):
+    """FUSE_PLUGIN_STATIC_LAUNCH=on: the named backend compiles with Inductor's
+    static_launch_user_defined_triton_kernels (an option the user passed wins); off (the
+    default): the option is left as Inductor has it. The switch keys the caches (settings.key)."""
+    import torch
+    from torch._inductor import compile_fx as cfx
+
+    from fuse_plugin import backend
+
+    if not hasattr(torch._inductor.config, backend.STATIC_LAUNCH_OPTION):
+        pytest.skip(f"this torch has no Inductor option {backend.STATIC_LAUNCH_OPTION}")
+    seen = []
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches))
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    off = settings.key()
+    with settings.disabled():  # the rewrite is not what is tested here
+        backend.fuse_plugin_backend(gm, [])
+        monkeypatch.setenv(settings.STATIC_LAUNCH, "on")
+        backend.fuse_plugin_backend(gm, [])
+        backend.fuse_plugin_backend(gm, [], options={backend.STATIC_LAUNCH_OPTION: False})
+    assert [c.get(backend.STATIC_LAUNCH_OPTION) for c in seen] == [None, True, False]
+    assert settings.key() != off

@@ -267,6 +267,15 @@ def _fresh_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
+def _static_launch() -> bool:
+    """Will Inductor launch the user kernels of the graph being compiled statically? (Its option,
+    set for the whole compile by the named backend under FUSE_PLUGIN_STATIC_LAUNCH, or by the
+    user.)"""
+    from torch._inductor import config
+
+    return bool(getattr(config, "static_launch_user_defined_triton_kernels", False))
+
+
 def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, num_warps,
             num_stages, address_reads: tuple = ()) -> None:
     from torch._higher_order_ops.triton_kernel_wrap import (
@@ -279,6 +288,11 @@ def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, n
     if missing:
         raise TypeError(f"{kernel.__name__}: writes names unknown parameters {missing}")
     tma = {}
+    if any(isinstance(v, Desc) for v in bound.values()) and _static_launch():
+        # Inductor's static launcher has no tensor-descriptor argument type (torch 2.13's raises a
+        # KeyError inside the compile): such a call stays an opaque op, launched by Triton's own
+        raise Untraceable("Inductor's static launcher (static_launch_user_defined_triton_kernels) "
+                          "takes no TMA descriptors")
     for name, value in bound.items():
         if isinstance(value, Desc):
             t = value.tensor
