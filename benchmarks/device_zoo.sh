@@ -3,7 +3,8 @@
 #   MODES=default bash benchmarks/device_zoo.sh      (from the repo root; $OUT: where results go)
 # MODELS (comma-separated, default all), TASKS, MODES, PARALLEL (default 20), DEADLINE (s, default 530),
 # PREPASS (N: every (row, variant) compiled alone first, N at a time; PREPASS_LIMIT s, default 240),
-# ROUNDS (zoo.py's --rounds, default 5), STEPS (zoo.py's --steps, default 10), VARIANTS (zoo.py's --variants), PROFILE (N profiled steps per variant).
+# ROUNDS (zoo.py's --rounds, default 5), STEPS (its --steps, default 10), VARIANTS (zoo.py's --variants),
+# PROFILE (N profiled steps per variant).
 # On a machine of several GPUs the rows build spread over them and still time one at a time.
 # A one-GPU, 16-core machine builds ~16 of default mode's 20 rows in one call (stop 41, H100):
 # there, two calls of half the models each (MODELS=vit_s16,deit3_s,eva02_ti,swin_t,beit_b, then the rest).

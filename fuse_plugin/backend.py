@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from . import autopatch, settings
+from .kernels.launch import STATIC_LAUNCH_OPTION
 from .patterns import rewrite
 
 NAME = "fuse_plugin"
-STATIC_LAUNCH_OPTION = "static_launch_user_defined_triton_kernels"  # Inductor's (torch 2.8 and later)
 _ENTRY_POINT_GROUP = "torch_dynamo_backends"
 
 

@@ -201,7 +201,7 @@ def static_launch() -> bool:
     """Do graphs compiled by the named backend launch our traced kernels through Inductor's static
     CUDA launcher (`FUSE_PLUGIN_STATIC_LAUNCH`, default off)? Inductor launches its own kernels
     through it and user kernels (ours) through Triton's launcher, whose host cost per launch read
-    2-4x Inductor's in a profile of host-bound zoo rows (stop 42). Off until measured faster."""
+    25-86 us against Inductor's 8-35 us in a profile of host-bound zoo rows (stop 42). Off until measured faster."""
     return boolean(STATIC_LAUNCH, False)
 
 
@@ -230,9 +230,8 @@ def key() -> str:
     autopatch.FusePluginPass.uuid): the rewrite's switches, whether the ops decompose into their
     launches (ops/inductor.py), the launch-config and choice tables they read and the kernel
     family they are held to, whether the kernels skip padded key blocks, whether their launches may
-go through Inductor's static launcher. Not here: AUTOPATCH (read
-    once, at import) and CPU_KERNELS (run time;
-    a CPU op stays one opaque call in the graph)."""
+    go through Inductor's static launcher. Not here: AUTOPATCH (read once, at import) and
+    CPU_KERNELS (run time; a CPU op stays one opaque call in the graph)."""
     return (f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()},"
             f"inductor_launch={inductor_launch()},table={attention_table()},"
             f"choices={choice_table()},family={attention_family()},site={site_choice()},"

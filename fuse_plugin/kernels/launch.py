@@ -267,13 +267,16 @@ def _fresh_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
+STATIC_LAUNCH_OPTION = "static_launch_user_defined_triton_kernels"  # Inductor's (torch 2.8 and later)
+
+
 def _static_launch() -> bool:
     """Will Inductor launch the user kernels of the graph being compiled statically? (Its option,
     set for the whole compile by the named backend under FUSE_PLUGIN_STATIC_LAUNCH, or by the
     user.)"""
     from torch._inductor import config
 
-    return bool(getattr(config, "static_launch_user_defined_triton_kernels", False))
+    return bool(getattr(config, STATIC_LAUNCH_OPTION, False))
 
 
 def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, num_warps,
