@@ -26,9 +26,11 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
     if mode not in (None, "default"):
         config_patches.update(list_mode_options(mode))
     config_patches.update(options or {})
-    if settings.static_launch() and hasattr(torch._inductor.config, STATIC_LAUNCH_OPTION):
-        # our traced kernels through Inductor's static launcher too (settings.static_launch); an
-        # option the user gave wins
+    if (settings.static_launch() and hasattr(torch._inductor.config, STATIC_LAUNCH_OPTION)
+            and not config_patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs)
+            and not holds_user_triton_kernel(gm)):
+        # our traced kernels through Inductor's static launcher too (settings.static_launch); not
+        # under CUDA graphs, whose replay launches nothing from the host; an option the user gave wins
         config_patches.setdefault(STATIC_LAUNCH_OPTION, True)
     if settings.rewrite_enabled():
         rewrite(gm)
@@ -53,6 +55,32 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
     # The graph is rewritten already: keep the automatic pre-grad pass from running again.
     with autopatch.suppressed():
         return compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def holds_user_triton_kernel(gm: torch.fx.GraphModule) -> bool:
+    """Does the Dynamo graph launch a Triton kernel of the user's (a `wrap_triton` / `@triton.jit`
+    call, or a `torch.library.triton_op` not ours)? Inductor's option for launching user kernels
+    statically would take theirs too, and its launcher has no type for some of their arguments
+    (torch 2.13 raises a KeyError mid-compile on a TMA descriptor), so such a graph keeps
+    Triton's launcher for every user kernel, ours included."""
+    from torch._higher_order_ops.triton_kernel_wrap import (
+        triton_kernel_wrapper_functional,
+        triton_kernel_wrapper_mutation,
+    )
+
+    try:
+        from torch._library.triton import triton_ops_to_kernels
+    except ImportError:  # a torch without triton_op's registry: its ops cannot be told apart
+        triton_ops_to_kernels = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in (triton_kernel_wrapper_mutation, triton_kernel_wrapper_functional):
+            return True
+        name = getattr(node.target, "_schema", None) and node.target._schema.name  # "ns::op"
+        if name and name in triton_ops_to_kernels and not name.startswith(NAME + "::"):
+            return True
+    return False
 
 
 def _entry_point_declared() -> bool:

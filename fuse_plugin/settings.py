@@ -16,7 +16,7 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_ROTARY_SITES | auto, ours, off | a matched rotary embedding: left as written where a graph is compiled for CUDA with static shapes, the rotary rotates halves (rotate_half; interleaved pairs stay our op where nothing needs a gradient) and is not folded into an attention (auto: Inductor fuses that eager spelling into its neighbours, measured faster than our op's decomposition); always our op (ours); never (off) | patterns/choice.py |
 | FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
 | FUSE_PLUGIN_KEY_PADDING_SKIP | auto, on, off | the general kernels skip the key blocks a per-key padding mask hides (kernels/key_range.py): auto where measured faster (at least 1024 keys and the work of a 32 x 12 x 1024 x 1024 problem), on from 256 keys, off: every key block visited and the padded ones masked | kernels/key_range.py |
-| FUSE_PLUGIN_STATIC_LAUNCH | off, on | on (experimental, not yet measured on a GPU): graphs compiled by ``backend="fuse_plugin"`` launch our traced kernels through Inductor's static CUDA launcher, as Inductor launches its own (its ``static_launch_user_defined_triton_kernels``; a torch without it: no change), and a launch with TMA descriptors, which that launcher cannot take, leaves its op opaque (benchmarks/NOTES.md, attempt 59) | backend.py, kernels/launch.py |
+| FUSE_PLUGIN_STATIC_LAUNCH | on, off | graphs compiled by ``backend="fuse_plugin"`` launch our traced kernels through Inductor's static CUDA launcher, as Inductor launches its own (its ``static_launch_user_defined_triton_kernels``; paired 0.996-1.10x against Triton's launcher on six host-bound timm rows, benchmarks/RESULTS.md stop 43), except under CUDA graphs (no host launches to save) and where the graph holds a Triton kernel of the user's (that launcher takes no TMA descriptor, and may fail on theirs); a launch of ours with TMA descriptors leaves its op opaque; a torch without the option: no change | backend.py, kernels/launch.py |
 
 Booleans take ``1 true on yes`` and ``0 false off no``, in any case; choices take their listed
 values in any case; surrounding blanks are ignored and an unset or blank switch has its default.
@@ -199,10 +199,11 @@ def key_padding_skip() -> str:
 
 def static_launch() -> bool:
     """Do graphs compiled by the named backend launch our traced kernels through Inductor's static
-    CUDA launcher (`FUSE_PLUGIN_STATIC_LAUNCH`, default off)? Inductor launches its own kernels
-    through it and user kernels (ours) through Triton's launcher, whose host cost per launch read
-    25-86 us against Inductor's 8-35 us in a profile of host-bound zoo rows (stop 42). Off until measured faster."""
-    return boolean(STATIC_LAUNCH, False)
+    CUDA launcher (`FUSE_PLUGIN_STATIC_LAUNCH`, default on)? Inductor launches its own kernels
+    through it and user kernels (ours) through Triton's launcher unless told otherwise; with it,
+    six host-bound timm rows ran 0.996-1.10x as fast (paired, H200, stop 43: twins_svt_s
+    inference 1.10, swin_t training 1.05, swin_t inference 0.996)."""
+    return boolean(STATIC_LAUNCH, True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -109,6 +109,41 @@ def test_compiled_training_matches_eager(mode):
         assert as_accurate(rel(g, e), rel(b, e)), (rel(g, e), rel(b, e))
 
 
+def test_static_launch_launches_our_kernels_statically(monkeypatch):
+    """FUSE_PLUGIN_STATIC_LAUNCH (default on): every kernel of the compiled graph, ours included, goes through
+    Inductor's static CUDA launcher (its strict mode raises on any kernel that would bypass it),
+    inference and training match eager."""
+    from torch._inductor import config
+
+    from fuse_plugin.kernels.launch import STATIC_LAUNCH_OPTION
+
+    strict = next((n for n in ("strict_static_triton_launcher", "strict_static_cuda_launcher")
+                   if hasattr(config, n)), None)
+    if strict is None or not hasattr(config, STATIC_LAUNCH_OPTION):
+        pytest.skip(f"this torch {torch.__version__} has no static launch of user kernels to check")
+    monkeypatch.setenv("FUSE_PLUGIN_STATIC_LAUNCH", "on")
+    ref, model = model_pair()
+    ids = torch.randint(0, 1000, (2, 300), device="cuda")
+    torch._dynamo.reset()
+    with config.patch({strict: True, "force_disable_caches": True}):
+        compiled = torch.compile(model, backend="fuse_plugin")
+        with torch.no_grad():
+            out, code = generated_code(compiled, ids)
+            expected, eager = ref(ids), model(ids)
+        assert_launched_by_inductor(code)
+        assert as_accurate(rel(out, expected), rel(eager, expected))
+
+        def grads(m, fn):
+            for p in m.parameters():
+                p.grad = None
+            fn(ids).float().pow(2).mean().backward()
+            return [p.grad.clone() for p in m.parameters()]
+
+        got, eager, expected = grads(model, compiled), grads(model, model), grads(ref, ref)
+    for g, b, e in zip(got, eager, expected):
+        assert as_accurate(rel(g, e), rel(b, e)), (rel(g, e), rel(b, e))
+
+
 @contextlib.contextmanager
 def cudnn_family_off():
     """The user's switch for cuDNN attention, which turns our cuDNN family off too."""

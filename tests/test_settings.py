@@ -19,7 +19,7 @@ BOOLEANS = [  # (switch, reader, default)
     (settings.AUTOPATCH, settings.autopatch, True),
     (settings.INDUCTOR_LAUNCH, settings.inductor_launch, True),
     (settings.ROPE_ATTENTION, settings.rope_attention_enabled, False),
-    (settings.STATIC_LAUNCH, settings.static_launch, False),
+    (settings.STATIC_LAUNCH, settings.static_launch, True),
 ]
 ALL_SWITCHES = (settings.AUTOPATCH, settings.INDUCTOR_LAUNCH, settings.ROPE_ATTENTION, settings.CPU_KERNELS,
                 settings.ATTENTION_TABLE, settings.CHOICE_TABLE, settings.ATTENTION_FAMILY, settings.SITE_CHOICE,
@@ -221,10 +221,12 @@ def test_the_package_reads_switches_only_through_settings():
 
 
 def test_static_launch_reaches_inductor_only_through_the_named_backend(monkeypatch):
-    """FUSE_PLUGIN_STATIC_LAUNCH=on: the named backend compiles with Inductor's
-    static_launch_user_defined_triton_kernels (an option the user passed wins); off (the
-    default): the option is left as Inductor has it. The switch keys the caches (settings.key)."""
+    """FUSE_PLUGIN_STATIC_LAUNCH (default on): the named backend compiles with Inductor's
+    static_launch_user_defined_triton_kernels (an option the user passed wins); off, under CUDA
+    graphs, or in a graph holding a Triton kernel of the user's: the option is left as Inductor
+    has it. The switch keys the caches (settings.key)."""
     import torch
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_mutation
     from torch._inductor import compile_fx as cfx
 
     from fuse_plugin import backend
@@ -234,11 +236,40 @@ def test_static_launch_reaches_inductor_only_through_the_named_backend(monkeypat
     seen = []
     monkeypatch.setattr(cfx, "compile_fx", lambda gm, inputs, config_patches: seen.append(config_patches))
     gm = torch.fx.symbolic_trace(torch.nn.ReLU())
-    off = settings.key()
+    theirs = torch.fx.symbolic_trace(torch.nn.ReLU())  # a user's kernel launch (never run here)
+    with theirs.graph.inserting_before(theirs.graph.output_node()):
+        theirs.graph.call_function(triton_kernel_wrapper_mutation, (),
+                                   dict(kernel_idx=0, constant_args_idx=0, grid=[(1, 1, 1)],
+                                        tma_descriptor_metadata={}, kwargs={}))
+    on = settings.key()
     with settings.disabled():  # the rewrite is not what is tested here
         backend.fuse_plugin_backend(gm, [])
-        monkeypatch.setenv(settings.STATIC_LAUNCH, "on")
-        backend.fuse_plugin_backend(gm, [])
         backend.fuse_plugin_backend(gm, [], options={backend.STATIC_LAUNCH_OPTION: False})
-    assert [c.get(backend.STATIC_LAUNCH_OPTION) for c in seen] == [None, True, False]
-    assert settings.key() != off
+        backend.fuse_plugin_backend(gm, [], mode="reduce-overhead")
+        backend.fuse_plugin_backend(theirs, [])
+        monkeypatch.setenv(settings.STATIC_LAUNCH, "off")
+        backend.fuse_plugin_backend(gm, [])
+    assert [c.get(backend.STATIC_LAUNCH_OPTION) for c in seen] == [True, False, None, None, None]
+    assert backend.holds_user_triton_kernel(theirs) and not backend.holds_user_triton_kernel(gm)
+    assert settings.key() != on
+
+
+def test_a_user_triton_op_keeps_triton_launcher(monkeypatch):
+    """A torch.library.triton_op of the user's in the graph counts as their kernel (it becomes a
+    launch when AOTAutograd decomposes it); our own ops do not."""
+    import torch
+
+    from fuse_plugin import backend
+
+    triton_lib = pytest.importorskip("torch._library.triton", reason="a torch without triton_op")
+    if not hasattr(triton_lib, "triton_ops_to_kernels"):
+        pytest.skip("this torch keeps no registry of triton_op names")
+    monkeypatch.setitem(triton_lib.triton_ops_to_kernels, "aten::relu", [])  # stands in for theirs
+    gm = torch.fx.symbolic_trace(lambda x: torch.ops.aten.relu.default(x))
+    assert backend.holds_user_triton_kernel(gm)
+    monkeypatch.delitem(triton_lib.triton_ops_to_kernels, "aten::relu")
+    assert not backend.holds_user_triton_kernel(gm)
+    ours = torch.fx.Graph()  # a call of our op (never run here), even were it named a triton_op
+    ours.call_function(torch.ops.fuse_plugin.attention.default, ())
+    monkeypatch.setitem(triton_lib.triton_ops_to_kernels, "fuse_plugin::attention", [])
+    assert not backend.holds_user_triton_kernel(torch.fx.GraphModule(torch.nn.Module(), ours))

@@ -273,10 +273,11 @@ STATIC_LAUNCH_OPTION = "static_launch_user_defined_triton_kernels"  # Inductor's
 def _static_launch() -> bool:
     """Will Inductor launch the user kernels of the graph being compiled statically? (Its option,
     set for the whole compile by the named backend under FUSE_PLUGIN_STATIC_LAUNCH, or by the
-    user.)"""
+    user; its static launcher on, and no C++ wrapper, which launches every kernel itself.)"""
     from torch._inductor import config
 
-    return bool(getattr(config, STATIC_LAUNCH_OPTION, False))
+    return (bool(getattr(config, STATIC_LAUNCH_OPTION, False))
+            and bool(getattr(config, "use_static_cuda_launcher", True)) and not config.cpp_wrapper)
 
 
 def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, num_warps,
