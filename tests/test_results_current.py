@@ -29,7 +29,7 @@ def test_results_and_readme_match_the_json(data):
 
 def test_check_sees_a_drifted_number(data):
     results = current.RESULTS.read_text()
-    drifted = results.replace("| llama-train-1x8192 | default | 189198 (189258)", "| llama-train-1x8192 | default | 189199 (189258)", 1)
+    drifted = results.replace("| llama-train-1x8192 | default | 187657 (187982)", "| llama-train-1x8192 | default | 187658 (187982)", 1)
     assert drifted != results
     problems = current.check(data, {current.RESULTS: drifted})
     assert len(problems) == 1 and "RESULTS.md" in problems[0]
@@ -94,15 +94,14 @@ def test_readme_front_door():
 def test_chart_bars(data):
     bars = chart.series(data)
     shapes = [b for b in bars if b["group"].startswith("Whole models")]
-    assert len(shapes) == len(data["shapes"]["rows"]) == 24  # 12 rows x 2 modes, one run (stop 36)
+    assert len(shapes) == len(data["shapes"]["rows"]) == 24  # 12 rows x 2 modes, one run (stop 43)
     assert {b["mode"] for b in shapes} == {"default", "reduce-overhead"}
-    # every row at or above the best stock variant but fp32 inference, whose sites the choice leaves to
-    # Inductor (0.997-0.998x sdpa + compile), and autocast training in default mode (0.98, paired 0.97:
-    # host-bound; 1.04 under CUDA graphs), stop 36
+    # every row at or above the best stock variant but two under CUDA graphs, stop 43: ViT-S training
+    # 0.998 (paired 1.00) and Llama inference at 1 x 128 tokens 0.88 (paired 1.09; re-timed 0.94,
+    # paired 1.06), a 0.4 ms graph replay whose best round is the fastest of the three variants
     below = {(b["label"], b["mode"]) for b in shapes if b["ratio"] < 1.0}
-    assert below <= {("llama-infer-fp32-8x512", "default"), ("llama-infer-fp32-8x512", "reduce-overhead"),
-                     ("llama-train-amp-8x512", "default")}, below
-    assert min(b["ratio"] for b in shapes) >= 0.975
+    assert below <= {("vit-train-64", "reduce-overhead"), ("llama-infer-1x128", "reduce-overhead")}, below
+    assert min(b["ratio"] for b in shapes) >= 0.88
     long = [b for b in bars if b["group"].startswith("Long context")]
     assert [round(b["ratio"], 2) for b in long] == [round(current.e2e_median(data)[t], 2) for t in ("train", "infer")]
     zoo = [b for b in bars if b["group"].startswith("timm zoo")]
