@@ -110,9 +110,9 @@ def test_compiled_training_matches_eager(mode):
 
 
 def test_static_launch_launches_our_kernels_statically(monkeypatch):
-    """FUSE_PLUGIN_STATIC_LAUNCH (default on): every kernel of the compiled graph, ours included, goes through
-    Inductor's static CUDA launcher (its strict mode raises on any kernel that would bypass it),
-    inference and training match eager."""
+    """FUSE_PLUGIN_STATIC_LAUNCH (default on): every kernel of the compiled graph, ours included,
+    goes through Inductor's static CUDA launcher (its strict mode raises on any kernel that would
+    bypass it), and inference and training match eager."""
     from torch._inductor import config
 
     from fuse_plugin.kernels.launch import STATIC_LAUNCH_OPTION
