@@ -2,7 +2,7 @@
 
     python benchmarks/shapes.py [--layers 12] [--rows ROW,...] [--modes default,reduce-overhead]
                                 [--variants compile,sdpa+compile,plugin[,plugin-sdpa]] [--steps 10]
-                                [--rounds 5]
+                                [--rounds 5] [--min-run-ms 50]
                                 [--out FILE.md] [--profile N]
 
 With ``--rounds 0`` it only compiles and warms up every cell: a few such processes run in
@@ -33,7 +33,9 @@ own. Modes: default, reduce-overhead (CUDA graphs).
 A training step is forward, cross-entropy, backward and a fused AdamW step; inference a forward
 under no_grad. Each row and mode runs in one go: every variant gets its own model and compile
 (3 warm-up steps), then ``--rounds`` rounds in which the variants take turns, each running
-``--steps`` timed steps synchronised once (the host may run ahead of the GPU, as in a real loop).
+``--steps`` timed steps synchronised once (the host may run ahead of the GPU, as in a real loop);
+a row whose fastest variant runs them in under ``--min-run-ms`` (50 by default) runs more, the
+same number for every variant (run_steps; the log gives each row's).
 The garbage collector is off inside a timed run (collected between runs, as timeit does).
 A cell is the median of its rounds (the best in brackets): the host of the device machine drifts
 by 10-30% over minutes, and interleaving puts that drift on every variant alike (variants
@@ -269,12 +271,28 @@ def _free():
         torch._inductor.cudagraph_trees.reset_cudagraph_trees()
 
 
-def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0, before_timing=lambda: None):
+def run_steps(steps: int, probe_s: list, min_run_s: float) -> int:
+    """Steps per timed run of a row: ``steps``, or more where the row's fastest variant ran
+    ``steps`` in under ``min_run_s`` (``probe_s``: each variant's seconds for one run of ``steps``),
+    so that every run lasts at least that long. A run of a few ms (Llama inference at 1 x 128
+    tokens under CUDA graphs: 4 ms for 10 steps) is moved by one host hiccup: stop 43 read that row
+    0.88 and 0.94 by its medians, 1.09 and 1.06 paired."""
+    import math
+
+    fastest = min(probe_s, default=0.0)
+    if min_run_s <= 0 or fastest <= 0 or fastest >= min_run_s:
+        return steps
+    return math.ceil(steps * min_run_s / fastest)
+
+
+def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0, before_timing=lambda: None,
+            min_run_s=0.0):
     """One row in one mode, every variant in this process: each variant gets its own model and
     compile (3 warm-up steps), then `rounds` rounds in which each variant runs `steps` timed steps
-    in turn, so that the host's drift over minutes falls on all variants alike. A cell is the
-    median (and the best) of its variant's rounds. ``before_timing``: called once every variant
-    is built (--parallel's worker waits there for its turn)."""
+    (more where a run would be shorter than ``min_run_s``: run_steps) in turn, so that the host's
+    drift over minutes falls on all variants alike. A cell is the median (and the best) of its
+    variant's rounds. ``before_timing``: called once every variant is built (--parallel's worker
+    waits there for its turn)."""
     family, kind, batch, seq = ROWS[name]
     precision = PRECISION.get(name, "bf16")
     items = batch if family == "vit" else batch * seq
@@ -303,6 +321,12 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
     if rounds == 0:  # --rounds 0: compile and warm up only (fills Inductor's and Triton's caches)
         log(f"  {name:20} {mode:16} compiled and warmed up: {', '.join(steps_of)}   ({compiled_s:.0f} s)")
         return
+    probe = []
+    for variant in steps_of if min_run_s > 0 else ():
+        with _variant_context(variant):
+            probe.append(timed_run(steps_of[variant][0], steps))
+    steps = run_steps(steps, probe, min_run_s)
+    results[(name, mode, "steps")] = steps
     for i in range(rounds):
         for variant in round_order(list(steps_of), i):
             with _variant_context(variant):
@@ -317,7 +341,7 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
             log(profile_steps(step, profile, f"{name} {mode} {variant}"))
     cells = "  ".join(f"{v} {results[(name, mode, v)]:.0f}" if isinstance(results[(name, mode, v)], float)
                       else f"{v} {results[(name, mode, v)]}" for v in variants)
-    log(f"  {name:20} {mode:16} {cells}   (compile {compiled_s:.0f} s, total "
+    log(f"  {name:20} {mode:16} {cells}   (compile {compiled_s:.0f} s, {steps} steps a run, total "
         f"{time.perf_counter() - t0:.0f} s)")
 
 
@@ -367,7 +391,8 @@ def worker_argv(args, name, mode, prefix, variants=None) -> list[str]:
     ``prefix`` None a ``--rounds 0`` run of ``variants`` (the pre-pass)."""
     argv = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--rows", name, "--modes", mode,
             "--variants", ",".join(variants or args.variants.split(",")), "--steps", str(args.steps), "--rounds",
-            str(args.rounds if prefix else 0), "--profile", str(args.profile if prefix else 0), "--no-overhead"]
+            str(args.rounds if prefix else 0), "--profile", str(args.profile if prefix else 0), "--no-overhead",
+            "--min-run-ms", str(args.min_run_ms)]
     return argv + (["--worker", prefix] if prefix else [])
 
 
@@ -379,7 +404,7 @@ def run_worker(args, variants) -> None:
         wait_for_turn(args.worker, torch.cuda.memory_reserved() / 2**30)
 
     run_row(args.rows, args.modes, variants, args.layers, args.steps, args.rounds, results,
-            lambda s: print(s, flush=True), args.profile, before_timing=turn)
+            lambda s: print(s, flush=True), args.profile, before_timing=turn, min_run_s=args.min_run_ms / 1e3)
     if hasattr(vit, "source"):  # the parent's report names the ViT's source
         results[("vit-source",)] = vit.source
     with open(args.worker + ".json", "w") as f:
@@ -418,7 +443,10 @@ def main(argv=None):
     parser.add_argument("--rows", default=",".join(ROWS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed run (at least)")
+    parser.add_argument("--min-run-ms", type=float, default=50, metavar="MS",
+                        help="more steps per run in a row whose fastest variant runs --steps in less "
+                             "(run_steps; 0: always --steps)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="interleaved timed runs per variant (0: only compile and warm up, which "
                              "fills the compile caches for a later timed run)")
@@ -445,7 +473,9 @@ def main(argv=None):
     header = (f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers "
               f"{transformers.__version__} | {time.strftime('%Y-%m-%d')} | bf16 (rows -fp32-: "
               f"fp32, -amp-: fp32 weights + bf16 autocast) | Llama {args.layers} layers | median (best) of "
-              f"{args.rounds} interleaved runs of {args.steps} steps")
+              f"{args.rounds} interleaved runs of {args.steps} steps"
+              + (f" (or more: at least {args.min_run_ms:g} ms a run; the log gives each row's)"
+                 if args.min_run_ms else ""))
     if args.worker:
         return run_worker(args, variants)
     print(header, flush=True)
@@ -457,7 +487,7 @@ def main(argv=None):
     for name in rows if not args.parallel else ():
         for mode in modes:
             run_row(name, mode, variants, args.layers, args.steps, args.rounds, results,
-                    lambda s: print(s, flush=True), args.profile)
+                    lambda s: print(s, flush=True), args.profile, min_run_s=args.min_run_ms / 1e3)
             _free()  # the row's models and compiled graphs are gone once run_row returns
             if args.out and args.rounds:  # the rows so far, should the run be cut short
                 emit(report(header, results, rows, modes, variants) + ["", "(partial)"], args.out, quiet=True)

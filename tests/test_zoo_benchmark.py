@@ -139,6 +139,17 @@ def test_rounds_rotate_and_the_paired_ratio():
     assert zoo.paired_ratio(row) is None
 
 
+def test_shapes_runs_last_at_least_min_run():
+    """shapes.py's steps per run: --steps, or more where the row's fastest variant ran them in
+    less than --min-run-ms, so that every variant's run lasts at least that long."""
+    import shapes
+
+    assert shapes.run_steps(10, [0.2, 0.3], 0.05) == 10  # 200 ms already
+    assert shapes.run_steps(10, [0.004, 0.005], 0.05) == 125  # the fastest: 4 ms for 10 steps
+    assert shapes.run_steps(10, [0.004], 0.0) == 10  # off
+    assert shapes.run_steps(10, [], 0.05) == 10  # nothing probed (every variant failed)
+
+
 def test_table():
     variants = list(zoo.VARIANTS)
     lines = zoo.table(_rows(), variants)
