@@ -6,6 +6,7 @@ checkout without `pip install` (the backend name then comes from `import fuse_pl
 it when no entry point declares it)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -89,6 +90,26 @@ def timed_run(step, steps: int, sync=None, issued: list | None = None) -> float:
     finally:
         gc.enable()
         gc.collect()
+
+
+@contextlib.contextmanager
+def switch_of(variant: str):
+    """``FUSE_PLUGIN_<SWITCH>=value`` set while a ``BASE@SWITCH=value`` variant compiles (the
+    plugin's choices are made at trace time); nothing for a plain variant. zoo.py, host_sites.py."""
+    if "@" not in variant:
+        yield
+        return
+    name, _, value = variant.split("@", 1)[1].partition("=")
+    env = "FUSE_PLUGIN_" + name.upper()
+    old = os.environ.get(env)
+    os.environ[env] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[env]
+        else:
+            os.environ[env] = old
 
 
 def round_order(variants: list, i: int) -> list:

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 
-import common  # noqa: F401  (puts this tree's fuse_plugin on sys.path)
+import common  # (also puts this tree's fuse_plugin on sys.path)
 import torch
+from common import switch_of
 from torch import nn
 
 import fuse_plugin
@@ -55,25 +55,6 @@ class Block(nn.Module):
 
 def model_of(sites: int, dim: int, heads: int) -> nn.Module:
     return nn.Sequential(*[Block(dim, heads) for _ in range(sites)])
-
-
-@contextlib.contextmanager
-def switch_of(variant: str):
-    """FUSE_PLUGIN_<SWITCH>=value while a ``BASE@SWITCH=value`` variant compiles."""
-    if "@" not in variant:
-        yield
-        return
-    name, _, value = variant.split("@", 1)[1].partition("=")
-    env = "FUSE_PLUGIN_" + name.upper()
-    old = os.environ.get(env)
-    os.environ[env] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(env)
-        else:
-            os.environ[env] = old
 
 
 def build(variant: str, sites: int, task: str, args) -> tuple:

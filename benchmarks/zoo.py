@@ -98,7 +98,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import (emit, paired_median, prepass, profile_steps, round_order, run_waves, timed_run,
+from common import (emit, paired_median, prepass, profile_steps, round_order, run_waves, switch_of, timed_run,
                     wait_for_turn)
 from torch import nn
 
@@ -321,26 +321,6 @@ def _known_switch(variant: str) -> bool:
 
     name = "FUSE_PLUGIN_" + variant.split("@", 1)[1].partition("=")[0].upper()
     return "=" in variant and name in vars(settings).values()
-
-
-@contextlib.contextmanager
-def switch_of(variant: str):
-    """``FUSE_PLUGIN_<SWITCH>=value`` set while a ``BASE@SWITCH=value`` variant compiles (the
-    plugin's choices are made at trace time); nothing for a plain variant."""
-    if "@" not in variant:
-        yield
-        return
-    name, _, value = variant.split("@", 1)[1].partition("=")
-    env = "FUSE_PLUGIN_" + name.upper()
-    old = os.environ.get(env)
-    os.environ[env] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[env]
-        else:
-            os.environ[env] = old
 
 
 def _variant_context(variant):
