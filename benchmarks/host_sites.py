@@ -5,7 +5,9 @@
 
 A stack of ``N`` blocks, each a linear q/k/v projection, a hand-written attention (timm's
 spelling: ``(q * scale) @ kᵀ``, softmax, ``@ v``) and an output projection, at a Twins-SVT-S
-window's shape (L 49, D 32, 2 heads) and a batch small enough that a step is bound by the host.
+window's shape (L 49, D 32, 2 heads) and a batch small enough that a step is bound by the host;
+``--tokens 3136 --kv-tokens 49``: its global sub-sampled attention's shape instead (queries from
+every token, keys and values from 49).
 Every variant is built in this process and timed in interleaved rounds (common.round_order); a
 round's time is the host's issue time of ``--steps`` steps, measured before the sync
 (common.timed_run's ``issued``), and its wall time.
@@ -39,22 +41,36 @@ VARIANTS = ("compile", "plugin", "plugin@SITE_CHOICE=ours", "plugin@SITE_CHOICE=
 
 
 class Block(nn.Module):
-    """One attention site as timm's hand-written Attention spells it, with its projections."""
+    """One attention site as timm's hand-written Attention spells it, with its projections.
 
-    def __init__(self, dim: int, heads: int):
+    ``kv_tokens`` (fewer than the input's tokens): the keys and values come from the first
+    ``kv_tokens`` tokens only, as in Twins-SVT's global sub-sampled attention and PVTv2's
+    spatial reduction (timm's GlobalSubSampleAttn: ``q`` from every token, ``kv`` from the
+    sub-sampled sequence), a long-query, short-key problem that the general family runs."""
+
+    def __init__(self, dim: int, heads: int, kv_tokens: int = 0):
         super().__init__()
-        self.heads, self.scale = heads, (dim // heads) ** -0.5
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.heads, self.scale, self.kv_tokens = heads, (dim // heads) ** -0.5, kv_tokens
+        if kv_tokens:
+            self.q, self.kv = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim)
+        else:
+            self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
 
     def forward(self, x):
         B, L, C = x.shape
-        q, k, v = self.qkv(x).reshape(B, L, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.kv_tokens:
+            q = self.q(x).reshape(B, L, self.heads, C // self.heads).permute(0, 2, 1, 3)
+            kv = self.kv(x[:, :self.kv_tokens]).reshape(B, -1, 2, self.heads, C // self.heads)
+            k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = self.qkv(x).reshape(B, L, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
         attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
         return x + self.proj((attn @ v).transpose(1, 2).reshape(B, L, C))
 
 
-def model_of(sites: int, dim: int, heads: int) -> nn.Module:
-    return nn.Sequential(*[Block(dim, heads) for _ in range(sites)])
+def model_of(sites: int, dim: int, heads: int, kv_tokens: int = 0) -> nn.Module:
+    return nn.Sequential(*[Block(dim, heads, kv_tokens) for _ in range(sites)])
 
 
 def build(variant: str, sites: int, task: str, args) -> tuple:
@@ -63,7 +79,7 @@ def build(variant: str, sites: int, task: str, args) -> tuple:
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    model = model_of(sites, args.dim, args.heads).to(args.device, args.dtype)
+    model = model_of(sites, args.dim, args.heads, args.kv_tokens).to(args.device, args.dtype)
     x = torch.randn(args.batch, args.tokens, args.dim, device=args.device, dtype=args.dtype)
     plugin = variant.startswith("plugin")
     compiled = torch.compile(model, backend="fuse_plugin") if plugin else torch.compile(model)
@@ -77,8 +93,13 @@ def build(variant: str, sites: int, task: str, args) -> tuple:
             with torch.no_grad():
                 compiled(x)
     counters["fuse_plugin"].clear()
+    graphs = int(counters["stats"]["unique_graphs"])
     with switch_of(variant), (contextlib.nullcontext() if plugin else fuse_plugin.disabled()):
         step()  # compiles: the plugin's choices are read at trace time
+    if int(counters["stats"]["unique_graphs"]) == graphs:
+        # Dynamo ran it without compiling (its recompile limit: every variant compiles the same
+        # code objects): timing it would compare eager with eager
+        raise RuntimeError(f"{variant} ({task}, {sites} sites) compiled no graph")
     fused = int(counters["fuse_plugin"].get("attention", 0))
     step()
     return step, fused
@@ -90,6 +111,10 @@ def sync(device: str):
 
 def measure(args) -> list[dict]:
     """Every (task, N, variant): its rounds' issue and wall seconds, and the sites it fused."""
+    # every variant compiles the same code objects (Sequential's forward): room for all of a cell's
+    # (Dynamo's default limit of 8 ran the later cells of stop 44's first call eagerly)
+    knob = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
     rows = []
     for task in args.tasks:
         for n in args.sites:
@@ -101,6 +126,8 @@ def measure(args) -> list[dict]:
                     wall[v].append(common.timed_run(built[v][0], args.steps, sync(args.device), issued[v]))
             for v in args.variants:
                 rows.append(dict(task=task, sites=n, variant=v, fused=built[v][1], issue=issued[v], wall=wall[v]))
+            del built
+            torch._dynamo.reset()  # the next cell's variants compile anew, each in its own room
     return rows
 
 
@@ -144,6 +171,9 @@ def parse(argv=None):
     p.add_argument("--tokens", type=int, default=49)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-tokens", type=int, default=0,
+                   help="keys and values from the first KV_TOKENS tokens only (Twins-SVT's global sub-sampled "
+                        "attention: e.g. --tokens 3136 --kv-tokens 49); 0: from every token (a window)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU in fp32 (a smoke test: our ops stay opaque)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -156,6 +186,8 @@ def parse(argv=None):
     for t in args.tasks:
         if t not in ("infer", "train"):
             p.error(f"unknown task {t!r}: infer or train")
+    if not 0 <= args.kv_tokens < args.tokens:
+        p.error(f"--kv-tokens {args.kv_tokens}: 0 (every token) or fewer than --tokens {args.tokens}")
     args.device = "cpu" if args.cpu else "cuda"
     args.dtype = torch.float32 if args.cpu else torch.bfloat16
     return args
@@ -165,7 +197,9 @@ def main(argv=None) -> list[str]:
     args = parse(argv)
     rows = measure(args)
     lines = [f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'} | torch {torch.__version__} | "
-             f"{args.dtype} | B {args.batch}, L {args.tokens}, C {args.dim}, {args.heads} heads | median of "
+             f"{args.dtype} | B {args.batch}, L {args.tokens}"
+             f"{f' (keys and values: the first {args.kv_tokens})' if args.kv_tokens else ''}, C {args.dim}, "
+             f"{args.heads} heads | median of "
              f"{args.rounds} interleaved rounds of {args.steps} steps", ""] + table(rows, args.steps)
     common.emit(lines, args.out)
     return lines
