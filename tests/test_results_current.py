@@ -94,14 +94,15 @@ def test_readme_front_door():
 def test_chart_bars(data):
     bars = chart.series(data)
     shapes = [b for b in bars if b["group"].startswith("Whole models")]
-    assert len(shapes) == len(data["shapes"]["rows"]) == 24  # 12 rows x 2 modes, one run (stop 43)
+    assert len(shapes) == len(data["shapes"]["rows"]) == 24  # 12 rows x 2 modes (stop 43; one row stop 44's)
     assert {b["mode"] for b in shapes} == {"default", "reduce-overhead"}
-    # every row at or above the best stock variant but two under CUDA graphs, stop 43: ViT-S training
-    # 0.998 (paired 1.00) and Llama inference at 1 x 128 tokens 0.88 (paired 1.09; re-timed 0.94,
-    # paired 1.06), a 0.4 ms graph replay whose best round is the fastest of the three variants
+    # every row at or above the best stock variant but one under CUDA graphs: ViT-S training 0.998
+    # (paired 1.00, stop 43); Llama inference at 1 x 128 tokens under CUDA graphs read 0.88 (paired
+    # 1.09) at stop 43 in runs of 10 steps (4 ms) and 1.14 (paired 1.14) re-timed at stop 44 in runs
+    # of 115 steps (shapes.py --min-run-ms), the row recorded now
     below = {(b["label"], b["mode"]) for b in shapes if b["ratio"] < 1.0}
-    assert below <= {("vit-train-64", "reduce-overhead"), ("llama-infer-1x128", "reduce-overhead")}, below
-    assert min(b["ratio"] for b in shapes) >= 0.88
+    assert below <= {("vit-train-64", "reduce-overhead")}, below
+    assert min(b["ratio"] for b in shapes) >= 0.99
     long = [b for b in bars if b["group"].startswith("Long context")]
     assert [round(b["ratio"], 2) for b in long] == [round(current.e2e_median(data)[t], 2) for t in ("train", "infer")]
     zoo = [b for b in bars if b["group"].startswith("timm zoo")]
