@@ -112,6 +112,18 @@ def switch_of(variant: str):
             os.environ[env] = old
 
 
+def room_for_compiles(n: int = 64) -> None:
+    """Dynamo's recompile limit raised to ``n`` at least (``cache_size_limit`` on older torch):
+    the variants of a benchmark all compile the same code objects, and past the limit (8 by
+    default) Dynamo runs a frame eagerly, timing eager code as if compiled. generate.py, zoo.py,
+    host_sites.py."""
+    import torch
+
+    config = torch._dynamo.config
+    knob = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, knob, max(getattr(config, knob), n))
+
+
 def round_order(variants: list, i: int) -> list:
     """Round i's order of an interleaved A/B: the variants rotated by i, so that no variant always
     runs first or right after another (a host state one leaves lands on each in turn). shapes.py,

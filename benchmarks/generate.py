@@ -61,7 +61,7 @@ import gc
 import time
 
 import torch
-from common import emit
+from common import emit, room_for_compiles
 from torch._dynamo.utils import counters
 
 import fuse_plugin
@@ -452,8 +452,7 @@ def main(argv=None):
               f"{args.new_tokens} new tokens | median of {args.rounds} interleaved rounds")
     print(header, flush=True)
     # The cells of a row all compile LlamaForCausalLM.forward (one code object): 2 graphs per cell.
-    knob = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    room_for_compiles()
     # Dynamo's automatic dynamic shapes are per code object: once an earlier cell compiled the
     # prefill (L = prompt) and the decode step (L = 1), every later cell's prefill would compile
     # with a symbolic length (stop 17: the plugin's prefill ops were then opaque, ~0.4 ms a call).

@@ -32,7 +32,7 @@ import sys
 
 import common  # (also puts this tree's fuse_plugin on sys.path)
 import torch
-from common import switch_of
+from common import room_for_compiles, switch_of
 from torch import nn
 
 import fuse_plugin
@@ -113,8 +113,7 @@ def measure(args) -> list[dict]:
     """Every (task, N, variant): its rounds' issue and wall seconds, and the sites it fused."""
     # every variant compiles the same code objects (Sequential's forward): room for all of a cell's
     # (Dynamo's default limit of 8 ran the later cells of stop 44's first call eagerly)
-    knob = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-    setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    room_for_compiles()
     rows = []
     for task in args.tasks:
         for n in args.sites:

@@ -98,8 +98,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import (emit, paired_median, prepass, profile_steps, round_order, run_waves, switch_of, timed_run,
-                    wait_for_turn)
+from common import (emit, paired_median, prepass, profile_steps, room_for_compiles, round_order, run_waves, switch_of,
+                    timed_run, wait_for_turn)
 from torch import nn
 
 VARIANTS = ("compile", "fused+compile", "plugin")
@@ -732,8 +732,7 @@ def main(argv=None):
         return
     if args.variants != ["eager"]:
         # every variant compiles the same code objects (one per model class): room for all of them
-        knob = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-        setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+        room_for_compiles()
     if args.worker:
         return run_worker(args)
     header = header_of(args)
