@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from . import autopatch, settings
+from .kernels import static_launch
 from .kernels.launch import STATIC_LAUNCH_OPTION
 from .patterns import rewrite
 
@@ -32,6 +33,8 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
         # our traced kernels through Inductor's static launcher too (settings.static_launch); not
         # under CUDA graphs, whose replay launches nothing from the host; an option the user gave wins
         config_patches.setdefault(STATIC_LAUNCH_OPTION, True)
+    if config_patches.get(STATIC_LAUNCH_OPTION):
+        static_launch.install()  # the option also for our kernels a compile worker builds
     if settings.rewrite_enabled():
         rewrite(gm)
         if torch.distributed.is_available():  # under PyTorch's context_parallel(...): our sites to the ring

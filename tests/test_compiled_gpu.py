@@ -144,6 +144,32 @@ def test_static_launch_launches_our_kernels_statically(monkeypatch):
         assert as_accurate(rel(g, e), rel(b, e)), (rel(g, e), rel(b, e))
 
 
+def test_static_launch_when_compile_workers_build_our_kernels():
+    """With Inductor's compile workers warm (its default once warmed up), the workers compile our
+    kernels, and their config lacks the option the named backend sets: without
+    kernels/static_launch.py every kernel of ours came back for Triton's launcher (twins_svt_s
+    training, stop 45). In a fresh process: each of our compiled kernels is statically launched,
+    and the compiled step matches eager."""
+    from torch._inductor import config
+
+    from fuse_plugin.kernels.launch import STATIC_LAUNCH_OPTION
+
+    if not hasattr(config, STATIC_LAUNCH_OPTION):
+        pytest.skip(f"this torch {torch.__version__} has no static launch of user kernels to check")
+    child = os.path.join(os.path.dirname(__file__), "static_launch_child.py")
+    proc = subprocess.run([sys.executable, child], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if proc.stdout.startswith("skip:"):
+        pytest.skip(proc.stdout.strip())
+    kernels = [line.split() for line in proc.stdout.splitlines() if line.startswith("ours ")]
+    assert kernels, proc.stdout
+    assert all(k[3] == "True" for k in kernels), proc.stdout
+    # the workers compiled them (else this test proves nothing), and the parent compiled them again
+    assert int(proc.stdout.split("recompiled ")[1].split()[0]) > 0, proc.stdout
+    err = float(proc.stdout.split("rel_err ")[1].split()[0])
+    assert err < 2e-2, proc.stdout
+
+
 @contextlib.contextmanager
 def cudnn_family_off():
     """The user's switch for cuDNN attention, which turns our cuDNN family off too."""

@@ -48,6 +48,7 @@ in compiled graphs only for problems large enough to cover that).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, NamedTuple, Optional
 
@@ -278,6 +279,33 @@ def _static_launch() -> bool:
 
     return (bool(getattr(config, STATIC_LAUNCH_OPTION, False))
             and bool(getattr(config, "use_static_cuda_launcher", True)) and not config.cpp_wrapper)
+
+
+# The modules that define this package's Triton kernels (``ours``).
+KERNEL_MODULES = ("attention_fwd", "attention_bwd", "attention_small", "attention_decode",
+                  "attention_fwd_tma", "attention_bwd_tma", "rotary")
+
+
+def ours(autotuner) -> bool:
+    """Is Inductor's ``autotuner`` (a compiled user kernel) one of this package's kernels? By its
+    function's name (Inductor re-emits a user kernel's source under the name it had; its
+    generated name is that name and "_<n>"): static_launch.py."""
+    fn = getattr(autotuner, "fn", None)
+    name = getattr(fn, "__name__", None)
+    if name is None:
+        name = str((getattr(autotuner, "inductor_meta", None) or {}).get("kernel_name", "")).rpartition("_")[0]
+    return name in _kernel_names()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_names() -> frozenset:
+    import importlib
+
+    names = set()
+    for m in KERNEL_MODULES:
+        module = importlib.import_module(f"{__name__.rpartition('.')[0]}.{m}")
+        names.update(k for k, v in vars(module).items() if hasattr(v, "arg_names") and hasattr(v, "fn"))
+    return frozenset(names)
 
 
 def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, num_warps,
