@@ -86,6 +86,9 @@ class FusePluginPass(CustomGraphPass):
             from .patterns import rewrite
 
             rewrite(gm)
+            from .kernels import static_launch
+
+            static_launch.install()  # a user's static-launch option, also for our kernels the workers build
             if torch.distributed.is_available():  # under PyTorch's context_parallel(...): to the ring
                 from .ops.context_parallel import route_if_distributed
 
