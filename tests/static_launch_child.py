@@ -14,6 +14,7 @@ import torch
 os.environ.setdefault("FUSE_PLUGIN_SITE_CHOICE", "ours")
 os.environ.setdefault("FUSE_PLUGIN_CHOICE_TABLE", "off")
 os.environ.setdefault("FUSE_PLUGIN_ROPE_ATTENTION", "0")
+os.environ.setdefault("FUSE_PLUGIN_STATIC_LAUNCH_WORKERS", "on")  # the mend under test
 
 
 def main() -> int:

@@ -26,9 +26,10 @@ def autotuner(name="attention_fwd_kernel", results=(TritonCompileResult(),), heu
 
 
 @pytest.fixture
-def option_on():
+def option_on(monkeypatch):
     from torch._inductor import config
 
+    monkeypatch.setenv("FUSE_PLUGIN_STATIC_LAUNCH_WORKERS", "on")
     with config.patch({launch.STATIC_LAUNCH_OPTION: True, "cpp_wrapper": False}):
         yield
 
@@ -54,9 +55,15 @@ def test_recompiled_only_where_a_worker_built_our_kernel_under_the_option(option
     assert "no compile results" in static_launch.why_not_recompile(autotuner(results=[]), reload)
 
 
-def test_nothing_recompiled_without_the_option():
+def test_nothing_recompiled_without_the_switch(option_on, monkeypatch):
+    monkeypatch.setenv("FUSE_PLUGIN_STATIC_LAUNCH_WORKERS", "off")
+    assert "STATIC_LAUNCH_WORKERS is off" in static_launch.why_not_recompile(autotuner(), reload)
+
+
+def test_nothing_recompiled_without_the_option(monkeypatch):
     from torch._inductor import config
 
+    monkeypatch.setenv("FUSE_PLUGIN_STATIC_LAUNCH_WORKERS", "on")
     with config.patch({launch.STATIC_LAUNCH_OPTION: False}):
         assert "off" in static_launch.why_not_recompile(autotuner(), reload)
 

@@ -16,7 +16,8 @@ parent (before the pool was warm, or with ``compile_threads`` 1). Measured on an
 twins_svt_s training, bs 64, a cold compile): all 36 launches a step of ours went through Triton's
 launcher with the option on, the step's backward issued 4.7 ms slower than stock compile's.
 
-``install()`` wraps ``CachingAutotuner.precompile`` once. Where the parent finishes a kernel that
+``install()`` wraps ``CachingAutotuner.precompile`` once. Under ``FUSE_PLUGIN_STATIC_LAUNCH_WORKERS``
+(settings.py; off by default until a GPU run measures this mend), where the parent finishes a kernel that
 a worker compiled (``reload_kernel`` given), the kernel is one of ours (``launch.ours``),
 Inductor's config in the parent has the option on (the compile of the named backend, or a user
 who set it) and the worker's results are not all static, the kernel is loaded again in the
@@ -46,6 +47,10 @@ def why_not_recompile(autotuner, reload_kernel) -> Optional[str]:
     kernel again itself)."""
     from . import launch
 
+    from .. import settings
+
+    if not settings.static_launch_workers():
+        return f"{settings.STATIC_LAUNCH_WORKERS} is off"
     if reload_kernel is None:
         return "compiled in this process (the decision read this process's config)"
     heuristic = getattr(autotuner, "heuristic_type", None)
