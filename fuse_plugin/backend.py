@@ -33,7 +33,7 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
         # our traced kernels through Inductor's static launcher too (settings.static_launch); not
         # under CUDA graphs, whose replay launches nothing from the host; an option the user gave wins
         config_patches.setdefault(STATIC_LAUNCH_OPTION, True)
-    if config_patches.get(STATIC_LAUNCH_OPTION):
+    if config_patches.get(STATIC_LAUNCH_OPTION) and settings.static_launch_workers():
         static_launch.install()  # the option also for our kernels a compile worker builds
     if settings.rewrite_enabled():
         rewrite(gm)

@@ -86,9 +86,10 @@ class FusePluginPass(CustomGraphPass):
             from .patterns import rewrite
 
             rewrite(gm)
-            from .kernels import static_launch
+            if settings.static_launch_workers():  # a user's static-launch option, also for our
+                from .kernels import static_launch  # kernels the compile workers build
 
-            static_launch.install()  # a user's static-launch option, also for our kernels the workers build
+                static_launch.install()
             if torch.distributed.is_available():  # under PyTorch's context_parallel(...): to the ring
                 from .ops.context_parallel import route_if_distributed
 

@@ -24,8 +24,8 @@ who set it) and the worker's results are not all static, the kernel is loaded ag
 parent and compiled there (Triton's cache holds its binary: nothing is compiled anew), so that
 the decision reads the option the compile meant; its results then replace the worker's. Any
 failure leaves the worker's results, which launch correctly through Triton's launcher. Kernels
-not ours, and every compile without the option, are untouched.
-"""
+not ours, and every compile without the option, are untouched; without the switch the wrapper is
+not installed (backend.py, passes.py install it where the switch is on)."""
 from __future__ import annotations
 
 import logging
