@@ -36,18 +36,11 @@ recompiled: list = []  # the names of the kernels compiled again in the parent (
 _WRAPPED = "_fuse_plugin_static"  # marks the wrapped precompile (install once)
 
 
-def _option_on() -> bool:
-    from .launch import _static_launch
-
-    return _static_launch()
-
-
 def why_not_recompile(autotuner, reload_kernel) -> Optional[str]:
     """Why the parent leaves ``autotuner``'s compile results as they came (None: it compiles the
     kernel again itself)."""
-    from . import launch
-
     from .. import settings
+    from . import launch
 
     if not settings.static_launch_workers():
         return f"{settings.STATIC_LAUNCH_WORKERS} is off"
@@ -58,7 +51,7 @@ def why_not_recompile(autotuner, reload_kernel) -> Optional[str]:
         return "an Inductor kernel, not a user kernel"
     if not launch.ours(autotuner):
         return "not a kernel of ours"
-    if not _option_on():
+    if not launch._static_launch():
         return "Inductor's static launch of user kernels is off in this compile"
     results = getattr(autotuner, "compile_results", None) or []
     if not results:
