@@ -68,12 +68,9 @@ def new_wrappers(before: int) -> list:
 def ours_static(modules) -> str:
     """"s of n": how many of the kernels of ours in these wrapper modules Inductor launches
     statically (kernels/static_launch.py)."""
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    from fuse_plugin.kernels.static_launch import compiled_kernels_of_ours
 
-    from fuse_plugin.kernels.launch import ours
-
-    found = [v for m in modules for v in vars(m).values()
-             if isinstance(v, CachingAutotuner) and ours(v) and v.compile_results]
+    found = [v for _, v in compiled_kernels_of_ours(modules)]
     return f"{sum(bool(v.is_statically_launchable()) for v in found)} of {len(found)}"
 
 

@@ -21,11 +21,10 @@ def main() -> int:
     from torch._inductor import config
     from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.codecache import PyCodeCache
-    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
-    import fuse_plugin
+    import fuse_plugin  # noqa: F401  (registers the backend name)
     from fuse_plugin.demo import LlamaConfig, TinyLlama
-    from fuse_plugin.kernels.launch import ours
+    from fuse_plugin.kernels import static_launch
 
     if config.compile_threads <= 1:
         print("skip: Inductor compiles in this process alone (compile_threads 1)")
@@ -43,12 +42,8 @@ def main() -> int:
         got = compiled(ids).float().pow(2).mean()
         got.backward()
     expected = model(ids).float().pow(2).mean()
-    for module in PyCodeCache.modules:
-        for name, value in vars(module).items():
-            if isinstance(value, CachingAutotuner) and ours(value) and value.compile_results:
-                print(f"ours {name} static {value.is_statically_launchable()}")
-    from fuse_plugin.kernels import static_launch
-
+    for name, kernel in static_launch.compiled_kernels_of_ours(PyCodeCache.modules):
+        print(f"ours {name} static {kernel.is_statically_launchable()}")
     print(f"recompiled {len(static_launch.recompiled)}")
     print(f"rel_err {abs(got.item() - expected.item()) / abs(expected.item()):.3e}")
     return 0

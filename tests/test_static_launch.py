@@ -92,3 +92,12 @@ def test_install_wraps_precompile_once():
     static_launch.install()
     assert CachingAutotuner.precompile is wrapped
     assert getattr(wrapped, "__wrapped__", None) is not None
+
+
+def test_compiled_kernels_of_ours_reads_only_autotuners():
+    import types
+
+    module = types.ModuleType("generated")
+    module.attention_fwd_kernel_0 = autotuner()  # not Inductor's CachingAutotuner
+    module.x = 3
+    assert static_launch.compiled_kernels_of_ours([module]) == []

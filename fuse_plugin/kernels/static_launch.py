@@ -86,6 +86,17 @@ def recompile_in_parent(autotuner, reload_kernel) -> bool:
     return True
 
 
+def compiled_kernels_of_ours(modules) -> list:
+    """[(name, autotuner)] of the kernels of ours that Inductor compiled in these generated modules
+    (PyCodeCache's): what the GPU test and benchmarks/host_split.py check for static launch."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    from .launch import ours
+
+    return [(name, v) for m in modules for name, v in vars(m).items()
+            if isinstance(v, CachingAutotuner) and ours(v) and v.compile_results]
+
+
 def _name(autotuner) -> str:
     fn = getattr(autotuner, "fn", None)
     return getattr(fn, "__name__", None) or str((getattr(autotuner, "inductor_meta", None) or {}).get("kernel_name"))
