@@ -30,7 +30,6 @@ import statistics
 import sys
 import tarfile
 import time
-from types import SimpleNamespace
 
 import common  # (also puts this tree's fuse_plugin on sys.path)
 import torch
