@@ -2,7 +2,8 @@
 an earlier test compiled is reused): the tiny Llama trained a step under the named backend with
 Inductor's pool of compile workers warm, so that the workers, not this process, compile the
 kernels (kernels/static_launch.py). Prints one line per kernel of ours that Inductor compiled,
-"ours <name> static <True|False>", then "rel_err <x>" of the compiled loss against eager's.
+"ours <name> static <True|False>", then "recompiled <n>" (kernels the parent compiled again,
+kernels/static_launch.py) and "rel_err <x>" of the compiled loss against eager's.
 
     python tests/static_launch_child.py
 """

@@ -286,15 +286,19 @@ KERNEL_MODULES = ("attention_fwd", "attention_bwd", "attention_small", "attentio
                   "attention_fwd_tma", "attention_bwd_tma", "rotary")
 
 
-def ours(autotuner) -> bool:
-    """Is Inductor's ``autotuner`` (a compiled user kernel) one of this package's kernels? By its
-    function's name (Inductor re-emits a user kernel's source under the name it had; its
-    generated name is that name and "_<n>"): static_launch.py."""
-    fn = getattr(autotuner, "fn", None)
-    name = getattr(fn, "__name__", None)
+def kernel_name(autotuner) -> str:
+    """The Triton function name of Inductor's ``autotuner`` (a compiled user kernel): Inductor
+    re-emits a user kernel's source under the name it had, and names its variable that name and
+    "_<n>"."""
+    name = getattr(getattr(autotuner, "fn", None), "__name__", None)
     if name is None:
         name = str((getattr(autotuner, "inductor_meta", None) or {}).get("kernel_name", "")).rpartition("_")[0]
-    return name in _kernel_names()
+    return name
+
+
+def ours(autotuner) -> bool:
+    """Is Inductor's ``autotuner`` one of this package's kernels (by ``kernel_name``)? static_launch.py."""
+    return kernel_name(autotuner) in _kernel_names()
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,6 +31,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from .launch import kernel_name
+
 log = logging.getLogger(__name__)
 recompiled: list = []  # the names of the kernels compiled again in the parent (tests, benchmarks)
 _WRAPPED = "_fuse_plugin_static"  # marks the wrapped precompile (install once)
@@ -76,13 +78,13 @@ def recompile_in_parent(autotuner, reload_kernel) -> bool:
         if not fresh.compile_results:
             fresh._precompile_worker()
         if not _all_static(fresh):
-            log.debug("%s: not statically launchable in the parent either", _name(autotuner))
+            log.debug("%s: not statically launchable in the parent either", kernel_name(autotuner))
             return False
     except Exception as e:  # the worker's results still launch (Triton's launcher)
-        log.debug("%s: compiling again in the parent failed: %s", _name(autotuner), e)
+        log.debug("%s: compiling again in the parent failed: %s", kernel_name(autotuner), e)
         return False
     autotuner.compile_results = fresh.compile_results
-    recompiled.append(_name(autotuner))
+    recompiled.append(kernel_name(autotuner))
     return True
 
 
@@ -95,11 +97,6 @@ def compiled_kernels_of_ours(modules) -> list:
 
     return [(name, v) for m in modules for name, v in vars(m).items()
             if isinstance(v, CachingAutotuner) and ours(v) and v.compile_results]
-
-
-def _name(autotuner) -> str:
-    fn = getattr(autotuner, "fn", None)
-    return getattr(fn, "__name__", None) or str((getattr(autotuner, "inductor_meta", None) or {}).get("kernel_name"))
 
 
 def install() -> None:
@@ -115,7 +112,7 @@ def install() -> None:
     def precompile(self, warm_cache_only=False, reload_kernel=None, *args, **kwargs):
         if not warm_cache_only and why_not_recompile(self, reload_kernel) is None:
             if recompile_in_parent(self, reload_kernel):
-                log.debug("%s: compiled again in the parent for Inductor's static launcher", _name(self))
+                log.debug("%s: compiled again in the parent for Inductor's static launcher", kernel_name(self))
         return original(self, warm_cache_only, reload_kernel, *args, **kwargs)
 
     setattr(precompile, _WRAPPED, True)
