@@ -8,6 +8,7 @@
 #    (default STATIC_LAUNCH_WORKERS=on). The plain plugin variant is left out on purpose: two
 #    variants whose generated code is the same share one module (PyCodeCache keys by its source),
 #    so whichever was built first would decide the launcher of both.
+# LIMIT (s, default 560): the call's time; the zoo and host_split fit in what the children leave.
 # 3. If time is left: benchmarks/host_split.py on twins_svt_s training (compile against the switch),
 #    with its cProfile (which launcher each launch went through).
 source "$(dirname "$0")/device_setup.sh"
@@ -18,11 +19,11 @@ for sw in off on; do
   echo "child switch=$sw rc=$? static True: $(grep -c 'static True' "$OUT/child_$sw.log")," \
        "static False: $(grep -c 'static False' "$OUT/child_$sw.log"), $(grep -E '^(recompiled|rel_err|skip)' "$OUT/child_$sw.log" | tr '\n' ' ')"
 done
-left=$(( 560 - ($(date +%s) - T0) ))
+left=$(( ${LIMIT:-560} - ($(date +%s) - T0) ))
 MODES=default MODELS=${MODELS:-twins_svt_s,swin_t,cait_xxs24,eva02_ti} TASKS=train STEPS=2 ROUNDS=${ROUNDS:-30} \
   PARALLEL=8 PREPASS=8 PREPASS_LIMIT=$(( left / 2 )) DEADLINE=$(( left - 100 )) \
   VARIANTS="compile,fused+compile,plugin@$SWITCH" bash "$(dirname "$0")/device_zoo.sh"
-left=$(( 570 - ($(date +%s) - T0) ))
+left=$(( ${LIMIT:-560} + 10 - ($(date +%s) - T0) ))
 if [ "$left" -gt 150 ]; then
   ( cd benchmarks && timeout $left python3 host_split.py --model twins_svt_s --task train --rounds 10 --steps 2 \
       --variants "compile,plugin@$SWITCH" --cprofile-out "$OUT/cprofile.txt" --build-deadline $(( left - 40 )) \
