@@ -3,7 +3,8 @@
 # put our kernels on Inductor's static launcher when the compile workers build them, and does the
 # host-bound training it cost (twins_svt_s, stop 45) get the time back?
 #   bash benchmarks/device_static_launch.sh      (from the repo root; $OUT: where results go)
-# 1. tests/static_launch_child.py with the switch off, then on (a fresh process each, pool warm).
+# 1. tests/static_launch_child.py with the switch off, then on (a fresh process each, pool warm;
+#    CHILD_SWITCHES, default "off on").
 # 2. The zoo's default-mode training rows MODELS, variants compile, fused+compile, plugin under SWITCH
 #    (default STATIC_LAUNCH_WORKERS=on). The plain plugin variant is left out on purpose: two
 #    variants whose generated code is the same share one module (PyCodeCache keys by its source),
@@ -14,7 +15,7 @@
 source "$(dirname "$0")/device_setup.sh"
 T0=$(date +%s)
 SWITCH=${SWITCH:-STATIC_LAUNCH_WORKERS=on}
-for sw in off on; do
+for sw in ${CHILD_SWITCHES:-off on}; do
   FUSE_PLUGIN_STATIC_LAUNCH_WORKERS=$sw timeout 150 python3 tests/static_launch_child.py > "$OUT/child_$sw.log" 2>&1
   echo "child switch=$sw rc=$? static True: $(grep -c 'static True' "$OUT/child_$sw.log")," \
        "static False: $(grep -c 'static False' "$OUT/child_$sw.log"), $(grep -E '^(recompiled|rel_err|skip)' "$OUT/child_$sw.log" | tr '\n' ' ')"
