@@ -9,9 +9,9 @@
 #    (default STATIC_LAUNCH_WORKERS=on). The plain plugin variant is left out on purpose: two
 #    variants whose generated code is the same share one module (PyCodeCache keys by its source),
 #    so whichever was built first would decide the launcher of both.
-# LIMIT (s, default 560): the call's time; the zoo and host_split fit in what the children leave.
 # 3. If time is left: benchmarks/host_split.py on twins_svt_s training (compile against the switch),
 #    with its cProfile (which launcher each launch went through).
+# LIMIT (s, default 560): the call's time; the zoo and host_split fit in what the children leave.
 source "$(dirname "$0")/device_setup.sh"
 T0=$(date +%s)
 SWITCH=${SWITCH:-STATIC_LAUNCH_WORKERS=on}
