@@ -24,6 +24,15 @@ left=$(( ${LIMIT:-560} - ($(date +%s) - T0) ))
 MODES=default MODELS=${MODELS:-twins_svt_s,swin_t,cait_xxs24,eva02_ti} TASKS=train STEPS=2 ROUNDS=${ROUNDS:-30} \
   PARALLEL=8 PREPASS=8 PREPASS_LIMIT=$(( left / 2 )) DEADLINE=$(( left - 100 )) \
   VARIANTS="compile,fused+compile,plugin@$SWITCH" bash "$(dirname "$0")/device_zoo.sh"
+# the zoo's ratio column reads the plain plugin variant (left out): the switch's ratios from the JSON
+( cd "$(dirname "$0")" && python3 - "$OUT/zoo_default.json" "plugin@$SWITCH" <<'PY'
+import json, sys
+import zoo
+for row in json.load(open(sys.argv[1]))["rows"]:
+    print(f"{row['model']} {row['task']} {row['mode']}: {sys.argv[2]} over the best of stock:",
+          zoo.ratio(row, sys.argv[2]), "paired", zoo.paired_ratio(row, sys.argv[2]))
+PY
+)
 left=$(( ${LIMIT:-560} + 10 - ($(date +%s) - T0) ))
 if [ "$left" -gt 150 ]; then
   ( cd benchmarks && timeout $left python3 host_split.py --model twins_svt_s --task train --rounds 10 --steps 2 \
