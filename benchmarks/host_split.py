@@ -3,6 +3,7 @@
     python benchmarks/host_split.py [--model twins_svt_s] [--task train] [--rounds 30] [--steps 2]
                                     [--variants compile,fused+compile,plugin,plugin@SITE_CHOICE=inductor]
                                     [--code-out code.tar.gz] [--cprofile-out cprofile.txt]
+                                    [--launch-costs launches.txt]
 
 Builds each variant of one zoo row (zoo.py's build_variant: same model, inputs, compile and warm-up)
 in this process, then times interleaved rounds (common.round_order) of ``--steps`` steps, reading
@@ -14,7 +15,9 @@ together (twins_svt_s training: 53.1 ms a step against stock compile's 50.8, sto
 Also, per variant: the generated wrapper code of every graph it compiled (Inductor's PyCodeCache
 modules with a ``call``), counted by what the wrapper does per call (kernel launches, allocations,
 extern calls, views) and packed into ``--code-out``; and one cProfile of two steps (the Python
-functions by their own time), into ``--cprofile-out``.
+functions by their own time), into ``--cprofile-out``; and the host's time in each Triton kernel
+launch (``CachingAutotuner.run``, timed around the call) over two steps, per kernel, with a
+cProfile of the costliest kernel of ours launched again 200 times, into ``--launch-costs``.
 
 Prints one table last: per variant the median ms a step of each phase, the paired ratio of its
 total to stock compile's, and the forward / backward wrappers' counts.
@@ -115,6 +118,61 @@ def timed_round(model, fn, opt, images, labels, steps: int, phases: int, device:
         gc.collect()
 
 
+def launch_costs(built, images, labels, device: str) -> str:
+    """Per variant: the host's time in each Triton launch over two steps (summed per kernel: ours
+    and Inductor's apart, the costliest per launch first), then a cProfile of 200 launches of the
+    costliest kernel of ours with its last arguments (where the time of one launch goes)."""
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    from fuse_plugin.kernels.launch import kernel_name, ours
+
+    original = CachingAutotuner.run
+    stats: dict = {}
+
+    def timed_run(self, *a, **kw):
+        t = time.perf_counter_ns()
+        try:
+            return original(self, *a, **kw)
+        finally:
+            s = stats.setdefault(id(self), [self, 0, 0, None])
+            s[1] += 1
+            s[2] += time.perf_counter_ns() - t
+            s[3] = (a, kw)
+
+    out = []
+    for variant, (model, fn, opt) in built.items():
+        stats.clear()
+        CachingAutotuner.run = timed_run
+        try:
+            with zoo._variant_context(variant):
+                for _ in range(2):
+                    phase_step(model, fn, opt, images, labels, [time.perf_counter()])
+        finally:
+            CachingAutotuner.run = original
+        zoo.sync(device)
+        rows = sorted(stats.values(), key=lambda s: -s[2] / s[1])
+        mine = [s for s in rows if ours(s[0])]
+        theirs = [s for s in rows if not ours(s[0])]
+        total = lambda ss: (sum(s[1] for s in ss) // 2, sum(s[2] for s in ss) / 2e3)  # noqa: E731
+        out.append(f"===== {variant}: a step: ours {total(mine)[0]} launches {total(mine)[1]:.0f} us, "
+                   f"Inductor's {total(theirs)[0]} launches {total(theirs)[1]:.0f} us")
+        for s in rows[:12]:
+            out.append(f"  {'ours' if ours(s[0]) else 'ind.'} {kernel_name(s[0])[:60]:60s} args {len(s[3][0]):3d} "
+                       f"launches/step {s[1] / 2:5.1f} us/launch {s[2] / s[1] / 1e3:6.1f}")
+        if mine:
+            kern, _, _, (a, kw) = mine[0]
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(200):
+                kern.run(*a, **kw)
+            prof.disable()
+            zoo.sync(device)
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(12)
+            out.append(f"  200 launches of {kernel_name(kern)}:\n{buf.getvalue()}")
+    return "\n".join(out)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="twins_svt_s")
@@ -125,6 +183,7 @@ def parse(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--code-out", default=None, help="a .tar.gz of every variant's wrapper code")
     p.add_argument("--cprofile-out", default=None, help="each variant's cProfile of two steps")
+    p.add_argument("--launch-costs", default=None, help="each variant's host time per Triton launch")
     p.add_argument("--device", default="cuda")
     p.add_argument("--build-deadline", type=float, default=0.0,
                    help="s: no variant is built after this many seconds (0: no limit)")
@@ -178,6 +237,10 @@ def main(argv=None) -> int:
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
                 f.write(f"===== {variant}\n{s.getvalue()}\n")
+    if args.launch_costs:
+        text = launch_costs(built, images, labels, args.device)
+        open(args.launch_costs, "w").write(text)
+        print("\n".join(line for line in text.splitlines() if line.startswith("=====")))
     if args.code_out:
         with tarfile.open(args.code_out, "w:gz") as tar:
             for variant, files in code.items():

@@ -43,7 +43,11 @@ def main() -> int:
         got = compiled(ids).float().pow(2).mean()
         got.backward()
     expected = model(ids).float().pow(2).mean()
-    for name, kernel in static_launch.compiled_kernels_of_ours(PyCodeCache.modules):
+    in_modules = static_launch.compiled_kernels_of_ours(PyCodeCache.modules)
+    live = static_launch.live_kernels_of_ours()
+    print(f"found {len(in_modules)} in the wrapper modules, {len(live)} alive")
+    kernels = in_modules or live
+    for name, kernel in kernels:
         print(f"ours {name} static {kernel.is_statically_launchable()}")
     print(f"recompiled {len(static_launch.recompiled)}")
     print(f"rel_err {abs(got.item() - expected.item()) / abs(expected.item()):.3e}")

@@ -99,6 +99,19 @@ def compiled_kernels_of_ours(modules) -> list:
             if isinstance(v, CachingAutotuner) and ours(v) and v.compile_results]
 
 
+def live_kernels_of_ours() -> list:
+    """[(name, autotuner)] of every compiled kernel of ours alive in this process, found through the
+    garbage collector: for a check where the wrapper modules do not hold them as globals."""
+    import gc
+
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    from .launch import ours
+
+    return [(kernel_name(v), v) for v in gc.get_objects()
+            if isinstance(v, CachingAutotuner) and ours(v) and v.compile_results]
+
+
 def install() -> None:
     """Wrap ``CachingAutotuner.precompile`` (see the module docstring); once, idempotent."""
     try:
