@@ -3,7 +3,7 @@
     python benchmarks/host_split.py [--model twins_svt_s] [--task train] [--rounds 30] [--steps 2]
                                     [--variants compile,fused+compile,plugin,plugin@SITE_CHOICE=inductor]
                                     [--code-out code.tar.gz] [--cprofile-out cprofile.txt]
-                                    [--launch-costs launches.txt]
+                                    [--launch-costs launches.txt] [--gpu-time gpu.txt]
 
 Builds each variant of one zoo row (zoo.py's build_variant: same model, inputs, compile and warm-up)
 in this process, then times interleaved rounds (common.round_order) of ``--steps`` steps, reading
@@ -17,7 +17,9 @@ modules with a ``call``), counted by what the wrapper does per call (kernel laun
 extern calls, views) and packed into ``--code-out``; and one cProfile of two steps (the Python
 functions by their own time), into ``--cprofile-out``; and the host's time in each Triton kernel
 launch (``CachingAutotuner.run``, timed around the call) over two steps, per kernel, with a
-cProfile of the costliest kernel of ours launched again 200 times, into ``--launch-costs``.
+cProfile of the costliest kernel of ours launched again 200 times, into ``--launch-costs``; and the
+GPU's own time a step (the kernels' time under torch.profiler, summed: is the step bound by the
+host at all?) with the costliest kernels, into ``--gpu-time``.
 
 Prints one table last: per variant the median ms a step of each phase, the paired ratio of its
 total to stock compile's, and the forward / backward wrappers' counts.
@@ -173,6 +175,26 @@ def launch_costs(built, images, labels, device: str) -> str:
     return "\n".join(out)
 
 
+def gpu_time(built, images, labels, device: str) -> str:
+    """Per variant: the GPU kernels' own time a step (torch.profiler over two steps, summed), and
+    the costliest kernels, a step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = []
+    for variant, (model, fn, opt) in built.items():
+        with zoo._variant_context(variant), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                phase_step(model, fn, opt, images, labels, [time.perf_counter()])
+            zoo.sync(device)
+        own = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+        rows = sorted(prof.key_averages(), key=lambda e: -own(e))
+        out.append(f"===== {variant}: GPU kernels {sum(own(e) for e in rows) / 2e3:.2f} ms a step, "
+                   f"{sum(e.count for e in rows if own(e)) // 2} kernels a step")
+        for e in rows[:15]:
+            out.append(f"  {e.key[:80]:80s} {e.count / 2:6.1f} a step {own(e) / 2e3:7.3f} ms")
+    return "\n".join(out)
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="twins_svt_s")
@@ -184,6 +206,7 @@ def parse(argv=None):
     p.add_argument("--code-out", default=None, help="a .tar.gz of every variant's wrapper code")
     p.add_argument("--cprofile-out", default=None, help="each variant's cProfile of two steps")
     p.add_argument("--launch-costs", default=None, help="each variant's host time per Triton launch")
+    p.add_argument("--gpu-time", default=None, help="each variant's GPU kernel time a step")
     p.add_argument("--device", default="cuda")
     p.add_argument("--build-deadline", type=float, default=0.0,
                    help="s: no variant is built after this many seconds (0: no limit)")
@@ -240,6 +263,10 @@ def main(argv=None) -> int:
     if args.launch_costs:
         text = launch_costs(built, images, labels, args.device)
         open(args.launch_costs, "w").write(text)
+        print("\n".join(line for line in text.splitlines() if line.startswith("=====")))
+    if args.gpu_time:
+        text = gpu_time(built, images, labels, args.device)
+        open(args.gpu_time, "w").write(text)
         print("\n".join(line for line in text.splitlines() if line.startswith("=====")))
     if args.code_out:
         with tarfile.open(args.code_out, "w:gz") as tar:

@@ -17,7 +17,7 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
 | FUSE_PLUGIN_KEY_PADDING_SKIP | auto, on, off | the general kernels skip the key blocks a per-key padding mask hides (kernels/key_range.py): auto where measured faster (at least 1024 keys and the work of a 32 x 12 x 1024 x 1024 problem), on from 256 keys, off: every key block visited and the padded ones masked | kernels/key_range.py |
 | FUSE_PLUGIN_STATIC_LAUNCH | on, off | graphs compiled by ``backend="fuse_plugin"`` launch our traced kernels through Inductor's static CUDA launcher, as Inductor launches its own (its ``static_launch_user_defined_triton_kernels``; paired 0.996-1.10x against Triton's launcher on six host-bound timm rows, benchmarks/RESULTS.md stop 43), except under CUDA graphs (no host launches to save) and where the graph holds a Triton kernel of the user's (that launcher takes no TMA descriptor, and may fail on theirs); a launch of ours with TMA descriptors leaves its op opaque; a torch without the option: no change | backend.py, kernels/launch.py |
-| FUSE_PLUGIN_STATIC_LAUNCH_WORKERS | off, on | on: where the static-launch option is on (STATIC_LAUNCH, or a user's), the kernels of ours that Inductor's compile workers built (whose config lacks the option, so they came back for Triton's launcher: twins_svt_s training, H100, stop 45) are compiled again in the parent for it; off until measured on a GPU | kernels/static_launch.py |
+| FUSE_PLUGIN_STATIC_LAUNCH_WORKERS | on, off | on: where the static-launch option is on (STATIC_LAUNCH, or a user's), the kernels of ours that Inductor's compile workers built (whose config lacks the option, so they came back for Triton's launcher: twins_svt_s training, H100, stop 45) are compiled again in the parent for it (H100, stop 47: all 16 of twins_svt_s's then static) | kernels/static_launch.py |
 
 Booleans take ``1 true on yes`` and ``0 false off no``, in any case; choices take their listed
 values in any case; surrounding blanks are ignored and an unset or blank switch has its default.
@@ -210,11 +210,11 @@ def static_launch() -> bool:
 
 def static_launch_workers() -> bool:
     """Are our kernels that Inductor's compile workers built compiled again in the parent for its
-    static launcher (`FUSE_PLUGIN_STATIC_LAUNCH_WORKERS`, default off: kernels/static_launch.py)?
+    static launcher (`FUSE_PLUGIN_STATIC_LAUNCH_WORKERS`, default on: kernels/static_launch.py)?
     The workers' config lacks the option a compile sets, so without it those kernels launch through
-    Triton's launcher (36 launches a step of twins_svt_s training, stop 45); off until a GPU run
-    measures the mend (read when Inductor finishes a kernel in the parent)."""
-    return boolean(STATIC_LAUNCH_WORKERS, False)
+    Triton's launcher (36 launches a step of twins_svt_s training, stop 45; with it all 16 kernels
+    of ours there static, H100, stop 47). Read when Inductor finishes a kernel in the parent."""
+    return boolean(STATIC_LAUNCH_WORKERS, True)
 
 
 # ------------------------------------------------------------------------------------------------

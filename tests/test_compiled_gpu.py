@@ -149,7 +149,7 @@ def test_static_launch_when_compile_workers_build_our_kernels():
     kernels, and their config lacks the option the named backend sets: without
     kernels/static_launch.py every kernel of ours came back for Triton's launcher (twins_svt_s
     training, stop 45). In a fresh process, under FUSE_PLUGIN_STATIC_LAUNCH_WORKERS=on (the mend,
-    off by default until measured): each of our compiled kernels is statically launched, and the
+    on by default): each of our compiled kernels is statically launched, and the
     compiled step matches eager."""
     from torch._inductor import config
 

@@ -20,7 +20,7 @@ BOOLEANS = [  # (switch, reader, default)
     (settings.INDUCTOR_LAUNCH, settings.inductor_launch, True),
     (settings.ROPE_ATTENTION, settings.rope_attention_enabled, False),
     (settings.STATIC_LAUNCH, settings.static_launch, True),
-    (settings.STATIC_LAUNCH_WORKERS, settings.static_launch_workers, False),
+    (settings.STATIC_LAUNCH_WORKERS, settings.static_launch_workers, True),
 ]
 ALL_SWITCHES = (settings.AUTOPATCH, settings.INDUCTOR_LAUNCH, settings.ROPE_ATTENTION, settings.CPU_KERNELS,
                 settings.ATTENTION_TABLE, settings.CHOICE_TABLE, settings.ATTENTION_FAMILY, settings.SITE_CHOICE,

@@ -17,7 +17,7 @@ twins_svt_s training, bs 64, a cold compile): all 36 launches a step of ours wen
 launcher with the option on, the step's backward issued 4.7 ms slower than stock compile's.
 
 ``install()`` wraps ``CachingAutotuner.precompile`` once. Under ``FUSE_PLUGIN_STATIC_LAUNCH_WORKERS``
-(settings.py; off by default until a GPU run measures this mend), where the parent finishes a kernel that
+(settings.py; on by default: H100, stop 47), where the parent finishes a kernel that
 a worker compiled (``reload_kernel`` given), the kernel is one of ours (``launch.ours``),
 Inductor's config in the parent has the option on (the compile of the named backend, or a user
 who set it) and the worker's results are not all static, the kernel is loaded again in the
