@@ -82,6 +82,30 @@ def trace(fn, *args) -> fx.GraphModule:
     return gm
 
 
+def clones_inductor_keeps(gm: fx.GraphModule) -> list:
+    """"kernel.arg" of each buffer Inductor would still copy before a launch: on a copy of the
+    graph, AOTAutograd's common-subexpression pass (which the training graphs go through) then
+    Inductor's reinplacing, which drops a clone only where nothing else holds the buffer.
+    Identical ``empty_strided`` outputs merged by the first were copied by the second
+    (host.gradient_buffer)."""
+    import copy
+
+    from torch._functorch.compile_utils import fx_graph_cse
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._inductor.fx_passes.reinplace import reinplace_inplaceable_ops
+    from torch._inductor.fx_utils import FakeTensorUpdater
+
+    g = copy.deepcopy(gm)
+    g.graph = fx_graph_cse(g.graph)
+    g.recompile()
+    reinplace_inplaceable_ops(FakeTensorUpdater(g), g.graph)
+    left = []
+    for n in g.graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional):
+        kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+        left += [f"{getattr(kernel, 'fn', kernel).__name__}.{c}" for c in n.kwargs["tensors_to_clone"]]
+    return sorted(left)
+
+
 def summary(gm: fx.GraphModule) -> dict:
     """Kernels launched (name, clones), opaque ops left, and whether outputs are kernel results."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
@@ -127,6 +151,7 @@ def summary(gm: fx.GraphModule) -> dict:
     empty_outputs = [a.name for a in outs if a.op == "call_function"
                      and a.target is torch.ops.aten.empty.memory_format]
     return dict(launches=launches, opaque=opaque, cloned_inputs=cloned_inputs,
+                clones_kept=clones_inductor_keeps(gm) if launches else [],
                 empty_outputs=empty_outputs, direct_descriptor_reads=direct_descriptor_reads,
                 copies=copies, cudnn=cudnn, efficient=efficient, gluon_windows=windows)
 

@@ -45,10 +45,12 @@ def clones(case: dict) -> dict:
 
 
 def assert_fully_traced(case: dict) -> None:
-    """Every op became launches; nothing copies an input; every output a kernel wrote."""
+    """Every op became launches; nothing copies an input; every output a kernel wrote; Inductor
+    copies no output buffer before its kernel (inductor_trace.clones_inductor_keeps)."""
     assert "error" not in case, case.get("error")
     assert case["opaque"] == []
     assert case["cloned_inputs"] == []
+    assert case["clones_kept"] == []
     assert case["empty_outputs"] == []
     assert case["direct_descriptor_reads"] == []
 

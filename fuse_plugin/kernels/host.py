@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .launch import is_tracing
+from .launch import GRADIENT_BUFFER, is_tracing
 
 NO_BIAS, BOOL_BIAS, FLOAT_BIAS = 0, 1, 2  # the kernels' BIAS_KIND
 
@@ -109,11 +109,33 @@ def bias_over_keys(kind: int, strides) -> bool:
     return kind != NO_BIAS and type(strides[2]) is int and strides[2] == 0
 
 
+def gradient_buffer(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``layout_like(like, dtype)`` (the same shape and strides) allocated as ``torch.empty`` in
+    memory order and permuted to ``like``'s dims, the buffer kept on the view (launch.GRADIENT_BUFFER); a
+    traced launch that writes the view is given the buffer itself (launch._record).
+
+    Why not ``torch.empty_strided``: AOTAutograd's common-subexpression pass (``fx_graph_cse``,
+    torch 2.11 and 2.13) merges identical ``empty_strided`` nodes (it spares only ``aten.empty``),
+    so the dq, dk and dv of a self-attention (one shape, one layout) became one buffer, and
+    Inductor, to keep the kernel's three writes apart, copied that uninitialised buffer into three
+    new ones before every backward launch: an extra allocation, a copy kernel and its launch a
+    site (twins_svt_s training's backward on an H100: 21 such kernels a step). A kernel writing a
+    view would still be cloned (a mutation of a view), hence the buffer."""
+    order = layout_order(like)
+    buf = torch.empty([like.shape[d] for d in order], dtype=dtype, device=like.device)
+    if order == list(range(like.dim())):
+        return buf
+    view = buf.permute(inverse_order(order))
+    setattr(view, GRADIENT_BUFFER, buf)
+    return view
+
+
 def empty(shape, dtype, device, like: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Allocation of every attention kernel output (one hook, so tests can poison it with NaN);
-    with ``like`` (an input of the op), laid out as ``layout_like(like, dtype)``: the gradients."""
+    with ``like`` (an input of the op), laid out as ``layout_like(like, dtype)``: the gradients
+    (``gradient_buffer``)."""
     if like is not None:
-        return layout_like(like, dtype)
+        return gradient_buffer(like, dtype)
     return torch.empty(shape, dtype=dtype, device=device)
 
 

@@ -68,6 +68,9 @@ class Desc(NamedTuple):
     block: tuple
 
 
+GRADIENT_BUFFER = "_fuse_plugin_buffer"  # on a host.gradient_buffer view: the buffer it views
+
+
 def is_tracing() -> bool:
     return getattr(_state, "tracing", False)
 
@@ -323,6 +326,10 @@ def _record(kernel, grid: tuple, args: tuple, constexprs: dict, writes: tuple, n
     missing = [w for w in writes if w not in bound]
     if missing:
         raise TypeError(f"{kernel.__name__}: writes names unknown parameters {missing}")
+    for name in writes:  # a gradient written through its view: the buffer itself (host.gradient_buffer)
+        buf = getattr(bound[name], GRADIENT_BUFFER, None)
+        if buf is not None:
+            bound[name] = buf
     tma = {}
     if any(isinstance(v, Desc) for v in bound.values()) and _static_launch():
         # Inductor's static launcher has no tensor-descriptor argument type (torch 2.13's raises a
