@@ -127,6 +127,8 @@ def summary(gm: fx.GraphModule) -> dict:
                     direct_descriptor_reads.append(f"{name}.{arg}")
             for c in clones:  # a clone of anything but a fresh buffer would copy an input
                 src = n.kwargs["kwargs"][c]  # (zeroed buffers: a kernel's atomic accumulator)
+                while src.op == "call_function" and src.target is torch.ops.aten.permute.default:
+                    src = src.args[0]  # a gradient written through a descriptor of its view
                 if not (src.op == "call_function" and src.target in (
                         torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
                         torch.ops.aten.empty_like.default, torch.ops.aten.zero.default,
@@ -466,14 +468,14 @@ def head_merge_case(L: int) -> dict:
     return summary(trace(fn, qkv, dmerged))
 
 
-def head_split_grads_case(L: int) -> dict:
+def head_split_grads_case(L: int, D: int = 64) -> dict:
     """BERT's and Llama's use of the op: q, k, v each a head-split view of its own projection
     (dense, (B, L, H, D) in memory), and the backward's gradients merged back by transpose +
     reshape for the projections' backward (the op's gradients are laid out as q/k/v)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
-    B, H, D = 2, 6, 64
+    B, H = 2, 6
     xs = [fake(mode, B, L, H * D) for _ in range(3)]
     dmerged = fake(mode, B, L, H * D)
 
@@ -521,6 +523,8 @@ def run_case(name: str) -> dict:
             return head_merge_case(200 if name == "head_merge" else 4000)
         if name in ("head_split_grads", "head_split_grads_atomic"):  # one key block / two
             return head_split_grads_case(128 if name == "head_split_grads" else 200)
+        if name == "head_split_grads_tma":  # the TMA pair: gradients written through descriptors
+            return head_split_grads_case(4000, D=256)
         if name == "deterministic":
             with mock.patch.object(torch, "are_deterministic_algorithms_enabled", lambda: True):
                 return summary(attention_case(1, 8, 2, 600, 64))
@@ -599,7 +603,7 @@ if __name__ == "__main__":
     names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small", "gluon_window", "gluon_window_narrow",
                              "d64_n2000_cudagraphs", "static_launch", "static_launch_tma", "chained_tma", "head_merge",
                              "head_merge_tma", "head_split_grads", "head_split_grads_atomic",
-                             "untraceable", "shipped_table",
+                             "head_split_grads_tma", "untraceable", "shipped_table",
                              "disabled", "export", *SYMBOLIC_CASES, *CUDNN_CASES, "cudnn_off",
                              "head_merge_cudnn"]
     for name in names:

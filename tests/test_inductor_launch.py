@@ -143,6 +143,8 @@ def test_head_merge_is_a_view(traced):
 @pytest.mark.parametrize("name, launches, copies", [
     ("head_split_grads", [FWD, ATOMIC], 0),  # one key block: the kernel stores dq in place
     ("head_split_grads_atomic", [FWD, PRE, ATOMIC], 1),  # dq's cast, laid out as q
+    # the TMA pair (D 256, 4000 tokens): each gradient written through a descriptor of its view
+    ("head_split_grads_tma", [FWD, PRE, "attention_bwd_dkdv_tma_kernel", "attention_bwd_dq_tma_kernel"], 0),
 ])
 def test_gradients_keep_the_head_split_layout(traced, name, launches, copies):
     """q/k/v as models make them (each a head-split view of its own projection): dq/dk/dv come
