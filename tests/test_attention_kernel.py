@@ -861,3 +861,26 @@ def test_tma_kernels_refuse_what_they_do_not_cover(monkeypatch):
     out, _ = attn.attention_forward(q, k, v, bias, is_causal=True, scale=0.125)
     ref, _ = reference(q.double(), k.double(), v.double(), bias.double(), True, 0.125)
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.empty(2, 3, 5, 8),  # contiguous: the buffer itself
+    lambda: torch.empty(2, 5, 3, 8).transpose(1, 2),  # a head-split view of a projection
+    lambda: torch.empty(2, 8, 5, 3).permute(0, 3, 2, 1)[..., :4].contiguous().transpose(1, 2),
+])
+def test_gradient_buffer_is_layout_like_over_a_plain_empty(make):
+    """host.gradient_buffer: layout_like's shape and strides, allocated with torch.empty (which
+    AOTAutograd's CSE leaves apart: three identical empty_strided became one buffer, copied by
+    Inductor before each backward launch) and, where the layout is not the identity, a view
+    carrying the buffer that a traced launch writes instead (launch.GRADIENT_BUFFER)."""
+    from fuse_plugin.kernels.launch import GRADIENT_BUFFER
+
+    like = make()
+    got, want = host.gradient_buffer(like, torch.float16), layout_like(like, torch.float16)
+    assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == torch.float16
+    buf = getattr(got, GRADIENT_BUFFER, None)
+    if like.is_contiguous():
+        assert buf is None and got._base is None
+    else:
+        assert buf is not None and buf.is_contiguous() and buf.data_ptr() == got.data_ptr()
+        assert buf.numel() == got.numel()
