@@ -872,11 +872,17 @@ def test_gradient_buffer_is_layout_like_over_a_plain_empty(make):
     """host.gradient_buffer: layout_like's shape and strides, allocated with torch.empty (which
     AOTAutograd's CSE leaves apart: three identical empty_strided became one buffer, copied by
     Inductor before each backward launch) and, where the layout is not the identity, a view
-    carrying the buffer that a traced launch writes instead (launch.GRADIENT_BUFFER)."""
-    from fuse_plugin.kernels.launch import GRADIENT_BUFFER
+    carrying the buffer that a traced launch writes instead (launch.GRADIENT_BUFFER). Eager:
+    layout_like's tensor."""
+    from fuse_plugin.kernels.launch import GRADIENT_BUFFER, tracing
 
     like = make()
-    got, want = host.gradient_buffer(like, torch.float16), layout_like(like, torch.float16)
+    eager = host.gradient_buffer(like, torch.float16)  # eager: layout_like's tensor itself
+    assert eager._base is None and getattr(eager, GRADIENT_BUFFER, None) is None
+    with tracing():
+        got = host.gradient_buffer(like, torch.float16)
+    want = layout_like(like, torch.float16)
+    assert eager.stride() == want.stride()
     assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == torch.float16
     buf = getattr(got, GRADIENT_BUFFER, None)
     if like.is_contiguous():

@@ -110,9 +110,10 @@ def bias_over_keys(kind: int, strides) -> bool:
 
 
 def gradient_buffer(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``layout_like(like, dtype)`` (the same shape and strides) allocated as ``torch.empty`` in
-    memory order and permuted to ``like``'s dims, the buffer kept on the view (launch.GRADIENT_BUFFER); a
-    traced launch that writes the view is given the buffer itself (launch._record).
+    """``layout_like(like, dtype)`` (the same shape and strides); while tracing, allocated as
+    ``torch.empty`` in memory order and permuted to ``like``'s dims, the buffer kept on the view
+    (launch.GRADIENT_BUFFER); a traced launch that writes the view is given the buffer itself
+    (launch._record).
 
     Why not ``torch.empty_strided``: AOTAutograd's common-subexpression pass (``fx_graph_cse``,
     torch 2.11 and 2.13) merges identical ``empty_strided`` nodes (it spares only ``aten.empty``),
@@ -121,6 +122,8 @@ def gradient_buffer(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     new ones before every backward launch: an extra allocation, a copy kernel and its launch a
     site (twins_svt_s training's backward on an H100: 21 such kernels a step). A kernel writing a
     view would still be cloned (a mutation of a view), hence the buffer."""
+    if not is_tracing():  # an eager launch: no graph, no CSE; the plain dense tensor
+        return layout_like(like, dtype)
     order = layout_order(like)
     buf = torch.empty([like.shape[d] for d in order], dtype=dtype, device=like.device)
     if order == list(range(like.dim())):
