@@ -489,6 +489,49 @@ def head_split_grads_case(L: int, D: int = 64) -> dict:
     return summary(trace(fn, *xs, dmerged))
 
 
+def q_view_copies_case() -> dict:
+    """How many buffers Inductor's lowering makes of q for one forward launch where q is a view it
+    cannot pass as it is: the head-split view of a pointwise result not yet computed (twins_svt_s's
+    global attention: a linear's bias add). Inductor realises each tensor argument of a user kernel
+    on its own, so every parameter that received q (the never-read pointers too) got a copy: 9
+    before host.placeholder, 1 (q's own) after. Lowered (GraphLowering.run) on the fake H100; the
+    buffers are counted by the add among their origins."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._guards import TracingContext, tracing
+    from torch._inductor import config
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import post_grad_passes
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = FakeTensorMode()
+    B, H, D, Lq, Lk = 8, 2, 32, 196, 49
+    args = [fake(mode, B, Lq, H * D), fake(mode, B, Lk, H * D), fake(mode, H * D)]
+    copies = []
+
+    def fn(x, xs, b):
+        q = (x + b).reshape(B, Lq, H, D).permute(0, 2, 1, 3)
+        k = xs.view(B, Lk, H, D).transpose(1, 2)
+        return list(OPS.attention(q, k, k, None, 0.0, False, D ** -0.5))
+
+    def lower(gm, inputs):
+        with config.patch({"compile_threads": 1}):
+            post_grad_passes(gm, True)
+            graph = GraphLowering(gm, example_inputs=inputs)
+            with V.set_graph_handler(graph):
+                graph.run(*inputs)
+        copies.extend(b.get_name() for b in graph.buffers
+                      if type(b).__name__ == "ComputedBuffer" and "add" in {str(o) for o in b.origins})
+        return make_boxed_func(gm.forward)
+
+    with tracing(TracingContext(mode)):
+        aot_module_simplified(make_fx(fn)(*args), args, fw_compiler=lower, decompositions=select_decomp_table())
+    return dict(q_copies=len(copies))
+
+
 @contextlib.contextmanager
 def cudnn_available():
     """cuDNN present, as on the H100 (a CPU build of torch has none): the cuDNN family may run."""
@@ -523,6 +566,8 @@ def run_case(name: str) -> dict:
             return head_merge_case(200 if name == "head_merge" else 4000)
         if name in ("head_split_grads", "head_split_grads_atomic"):  # one key block / two
             return head_split_grads_case(128 if name == "head_split_grads" else 200)
+        if name == "q_view_copies":
+            return q_view_copies_case()
         if name == "head_split_grads_tma":  # the TMA pair: gradients written through descriptors
             return head_split_grads_case(4000, D=256)
         if name == "deterministic":
@@ -603,7 +648,7 @@ if __name__ == "__main__":
     names = sys.argv[1:] or [*CASES, "deterministic", "gluon", "gluon_small", "gluon_window", "gluon_window_narrow",
                              "d64_n2000_cudagraphs", "static_launch", "static_launch_tma", "chained_tma", "head_merge",
                              "head_merge_tma", "head_split_grads", "head_split_grads_atomic",
-                             "head_split_grads_tma", "untraceable", "shipped_table",
+                             "head_split_grads_tma", "q_view_copies", "untraceable", "shipped_table",
                              "disabled", "export", *SYMBOLIC_CASES, *CUDNN_CASES, "cudnn_off",
                              "head_merge_cudnn"]
     for name in names:

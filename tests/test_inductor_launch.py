@@ -167,6 +167,16 @@ def test_shipped_choice_table_is_read_when_tracing(traced):
     assert kernels(case) == [FWD, "attention_small_bwd_kernel"]
 
 
+def test_q_is_realised_once_whatever_it_views(traced):
+    """A q that Inductor cannot pass as a view (the head-split view of a bias add not yet computed:
+    twins_svt_s's global attention) is realised once per kernel parameter that receives it:
+    every pointer a launch never reads gets host.placeholder's own buffer, not q (before: nine
+    copies of q a forward launch, H100 wrapper of stop 45)."""
+    case = traced["q_view_copies"]
+    assert "error" not in case, case.get("error")
+    assert case["q_copies"] == 1
+
+
 @pytest.mark.parametrize("name", ["small_swin", "small_dropout"])
 def test_small_family_becomes_two_launches(traced, name):
     """The small family (kernels/attention_small.py) traced: one forward and one backward launch

@@ -72,7 +72,7 @@ from .args import KEY_ROWS, ROW_STATS, SCORES, strides
 from .attention_tiles import _LN2, _dot, _dot_acc, _exp
 from .host import FLOAT_BIAS as _FLOAT_BIAS
 from .host import bias_args as _bias_args
-from .host import cdiv, dot_precision, next_pow2, sm_count, upcast_dot
+from .host import cdiv, dot_precision, next_pow2, placeholder, sm_count, upcast_dot
 from .launch import hint, launch
 
 # The family's problems (registry.py): at most this many query rows, at least this many keys.
@@ -425,7 +425,7 @@ def attention_decode_forward(q, k, v, bias, *, is_causal: bool, scale: float,
     n_splits = cdiv(key_blocks, blocks_per_split)  # no empty split
     keys_per_split = blocks_per_split * bn
 
-    kind, bias_t, sb = _bias_args(bias, q)
+    kind, bias_t, sb = _bias_args(bias, placeholder(q))
     score_scale = scale if kind == _FLOAT_BIAS else scale * 1.4426950408889634
     dev = q.device
     part_acc = torch.empty((programs, n_splits, bm, Dv), dtype=torch.float32, device=dev)

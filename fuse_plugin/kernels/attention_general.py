@@ -159,7 +159,7 @@ def _common(call) -> dict:
 def _inputs(call, with_v: bool = True) -> dict:
     """The call's input tensors by the kernels' names: Q, K, V (not with ``with_v`` False: the
     preprocess reads no V), Bias, Rep (the replace mask), Cos, Sin (the rope tables), Docs (the
-    documents table, call.document_ranges; q, never read, without documents)."""
+    documents table, call.document_ranges; call.dummy, never read, without documents)."""
     if with_v:
         return {"Q": call.q, "K": call.k, "V": call.v, "Bias": call.bias_t, "Rep": call.rep_t,
                 "Cos": call.cos, "Sin": call.sin, "Docs": call.doc_t}
@@ -270,10 +270,10 @@ class _Grads:
         shape = (B, Hq, Lq, Lk) if dbias_shape is None else dbias_shape
         self.dbias = host.empty(shape, torch.float32, dev) if call.need_dbias else None
 
-    def ds_args(self, q):
-        """(DS tensor, its strides): dbias, or q and zero strides (never written)."""
+    def ds_args(self, dummy):
+        """(DS tensor, its strides): dbias, or ``dummy`` (call.dummy) and zero strides (never written)."""
         if self.dbias is None:
-            return q, (0, 0, 0, 0)
+            return dummy, (0, 0, 0, 0)
         return self.dbias, self.dbias.stride()
 
 
@@ -374,7 +374,7 @@ def _launch_atomic(call, cfg, g, stats, dk_out, dv_out, dk_strides, dv_strides, 
     check_tile_offsets(tiles + [("dout", *dout.stride()[2:], bm, dv0 + dv1), ("dbias", Lk, 1, bm, bn),
                                 ("out", *out.stride()[2:], bm, dv0 + dv1),
                                 ("dq", *g.dq.stride()[2:], bm, max(d0 + d1 + d2, D))])
-    ds_t, ds_strides = g.ds_args(q)
+    ds_t, ds_strides = g.ds_args(call.dummy)
     keys = _key_range(call, bn)  # (never with one key block: it needs two)
     launch(
         attention_bwd_kernel, (cdiv(Lk, bn) * B * Hkv * split,),
@@ -450,7 +450,7 @@ def run_backward_pair(call, cfg: AttentionConfig):
         **consts, writes=("DK", "DV"),
         address_reads=_address_reads(call, stats),
     )
-    ds_t, ds_strides = g.ds_args(q)
+    ds_t, ds_strides = g.ds_args(call.dummy)
     launch(
         attention_bwd_dq_kernel, (cdiv(Lq, bm) * B * Hq,),
         **_inputs(call), DO=dout, DQ=g.dq, DS=ds_t, **stats,

@@ -119,7 +119,7 @@ from .attention_tiles import (
 )
 from .attention_config import smem_limit
 from .call import dropout_args
-from .host import (FLOAT_BIAS, bias_args, bias_over_keys, cdiv, dot_precision, next_pow2, sm_count,
+from .host import (FLOAT_BIAS, bias_args, bias_over_keys, cdiv, dot_precision, next_pow2, placeholder, sm_count,
                    upcast_dot)
 from .launch import hint, launch
 
@@ -590,8 +590,9 @@ def _common(direction: str, q, k, v, bias, is_causal: bool, scale: float, dropou
     # past the tile recompile).
     if not (Lq <= block_q and Lk <= block_k):
         raise AssertionError(f"lengths {Lq}, {Lk} past the tiles {block_q}, {block_k}")
-    kind, bias_t, sb = bias_args(bias, q)
-    seed, drop_thresh, inv_keep, dropout = dropout_args(dropout_p, dropout_seed, q)
+    dummy = placeholder(q)  # for the pointers a launch never reads
+    kind, bias_t, sb = bias_args(bias, dummy)
+    seed, drop_thresh, inv_keep, dropout = dropout_args(dropout_p, dropout_seed, q, dummy)
     consts = dict(D=D, Dv=Dv, GROUP=Hq // Hkv, IS_CAUSAL=bool(is_causal), BIAS_KIND=kind,
                   BIAS_KEYS=bias_over_keys(kind, sb), DROPOUT=dropout,
                   PRECISION=dot_precision(q), UPCAST_DOT=upcast_dot(q), BLOCK_Q=block_q,

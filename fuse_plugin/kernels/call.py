@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from . import host
-from .host import FLOAT_BIAS, NO_BIAS, bias_args, bias_over_keys, dropout_scale, dropout_threshold
+from .host import FLOAT_BIAS, NO_BIAS, bias_args, bias_over_keys, dropout_scale, dropout_threshold, placeholder
 from .launch import hint, is_tracing
 
 DIRECTIONS = ("fwd", "bwd")
@@ -191,11 +191,13 @@ def check_softcap(softcap: float) -> None:
         raise ValueError(f"fuse_plugin::attention: softcap must be a finite number >= 0 (0 = off), got {softcap}")
 
 
-def dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor):
-    """(Seed, drop_thresh, inv_keep, DROPOUT) kernel arguments; see ``_dropout_keep``."""
+def dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor,
+                 dummy: Optional[torch.Tensor] = None):
+    """(Seed, drop_thresh, inv_keep, DROPOUT) kernel arguments; see ``_dropout_keep``. ``dummy``
+    (default q): the Seed without dropout (host.placeholder)."""
     check_dropout(dropout_p, seed, q)
     if dropout_p == 0.0:
-        return q, 0, 1.0, False
+        return q if dummy is None else dummy, 0, 1.0, False
     return seed, dropout_threshold(dropout_p), dropout_scale(dropout_p), True
 
 
@@ -214,11 +216,11 @@ def _softcap_args(kind: int, scale: float, softcap: float) -> tuple[float, float
     return scale / softcap, score_scale(kind, 1.0) * softcap, True
 
 
-def _replace_args(replace: Optional[torch.Tensor], kind: int, q: torch.Tensor, bias_shape):
+def _replace_args(replace: Optional[torch.Tensor], kind: int, q: torch.Tensor, bias_shape, dummy):
     """(tensor, strides, HAS_REPLACE) kernel arguments of the replace mask: a same-strided uint8
-    view of the bool mask, or q and zero strides without one (never read then)."""
+    view of the bool mask, or ``dummy`` and zero strides without one (never read then)."""
     if replace is None:
-        return q, (0, 0, 0, 0), False
+        return dummy, (0, 0, 0, 0), False
     if replace.dtype != torch.bool:
         raise ValueError(f"replace must be a bool tensor, got {replace.dtype}")
     if kind != FLOAT_BIAS:
@@ -230,12 +232,12 @@ def _replace_args(replace: Optional[torch.Tensor], kind: int, q: torch.Tensor, b
     return host.bool_operand(replace), replace.stride(), True
 
 
-def _rope_args(rope: Optional[Rope], q, k):
-    """(cos, sin, q-view table strides, k-view table strides, constexprs) of a launch; dummies
-    without rope. cos and sin are read with one set of strides: tables whose broadcast views
-    differ in strides are materialised (small: no head dim, usually)."""
+def _rope_args(rope: Optional[Rope], q, k, dummy):
+    """(cos, sin, q-view table strides, k-view table strides, constexprs) of a launch; ``dummy``
+    for both without rope. cos and sin are read with one set of strides: tables whose broadcast
+    views differ in strides are materialised (small: no head dim, usually)."""
     if rope is None:
-        return q, q, (0, 0, 0, 0), (0, 0, 0, 0), dict(NO_ROPE)
+        return dummy, dummy, (0, 0, 0, 0), (0, 0, 0, 0), dict(NO_ROPE)
     cos, sin, interleaved, R = rope
     B, Hq, Lq, D = q.shape
     Hkv, Lk = k.shape[1], k.shape[2]
@@ -324,14 +326,15 @@ class AttentionCall:
     score_scale: float = 1.0
     cap: float = 1.0
     softcapped: bool = False
+    dummy: Any = None  # what a launch passes for a pointer it never reads (host.placeholder)
     cos: Any = None
     sin: Any = None
     scq: tuple = (0, 0, 0, 0)
     sck: tuple = (0, 0, 0, 0)
     rc: dict = field(default_factory=lambda: dict(NO_ROPE))
-    doc_t: Any = None  # the documents table (document_ranges), q without documents (never read)
+    doc_t: Any = None  # the documents table (document_ranges), dummy without documents (never read)
     doc_stride: int = 0  # its batch stride (0: one row for every batch, or none)
-    sink_t: Any = None  # the sinks, contiguous (the kernel reads them as fp32); q without sinks (never read)
+    sink_t: Any = None  # the sinks, contiguous (the kernel reads them as fp32); dummy without sinks (never read)
     delta: Any = None  # backward: rowsum(dO * O) (B, Hq, Lq) fp32, where a path's preprocess computed it
 
     # ------------------------------------------------------------------ construction
@@ -384,14 +387,16 @@ class AttentionCall:
         self.period = bias_period(self.bias, B)
         self.dbias_target = () if self.bias is None else tuple(
             1 if st == 0 else n for n, st in zip(self.bias.shape, self.bias.stride()))
-        self.cos, self.sin, self.scq, self.sck, self.rc = _rope_args(self.rope, q, k)
+        # every pointer parameter a launch of this call never reads gets this (host.placeholder)
+        self.dummy = placeholder(q)
+        self.cos, self.sin, self.scq, self.sck, self.rc = _rope_args(self.rope, q, k, self.dummy)
         self._derive_bias()
         self.seed, self.drop_thresh, self.inv_keep, self.dropout = dropout_args(
-            self.dropout_p, self.dropout_seed, q)
+            self.dropout_p, self.dropout_seed, q, self.dummy)
         self.score_scale, self.cap, self.softcapped = _softcap_args(self.kind, self.scale, self.softcap)
-        self.sink_t = q if self.sinks is None else self.sinks.contiguous()  # (fp32 on load: no cast kernel)
+        self.sink_t = self.dummy if self.sinks is None else self.sinks.contiguous()  # (fp32 on load: no cast kernel)
         if self.documents is None:
-            self.doc_t, self.doc_stride = q, 0
+            self.doc_t, self.doc_stride = self.dummy, 0
         else:
             self.doc_t = document_ranges(self.documents)
             self.doc_stride = self.doc_t.stride(0) if self.doc_t.shape[0] > 1 else 0
@@ -399,9 +404,9 @@ class AttentionCall:
 
     def _derive_bias(self) -> None:
         B, Hq, Lq, _, _, Lk, _ = self.sizes
-        self.kind, self.bias_t, self.sb = bias_args(self.bias, self.q)
+        self.kind, self.bias_t, self.sb = bias_args(self.bias, self.dummy)
         shape = (B, Hq, Lq, Lk) if self.period is None else (self.period, Hq, Lq, Lk)
-        self.rep_t, self.sr, self.has_rep = _replace_args(self.replace, self.kind, self.q, shape)
+        self.rep_t, self.sr, self.has_rep = _replace_args(self.replace, self.kind, self.q, shape, self.dummy)
 
     def materialise_bias(self) -> None:
         """A window-periodic bias (and its replace mask) as a (B, Hq, Lq, Lk) tensor, for the

@@ -38,6 +38,18 @@ def dropout_scale(dropout_p: float) -> float:
     return 2**16 / (2**16 - dropout_threshold(dropout_p))
 
 
+def placeholder(q: torch.Tensor) -> torch.Tensor:
+    """The tensor a launch passes for a pointer parameter it never reads (no bias, no rope
+    tables, no dropout seed, ...): q itself in an eager launch (free); while tracing, one fresh
+    element of q's dtype. Traced, Inductor realises each tensor argument of a user kernel on its
+    own: where q is a view it cannot pass as one (q = a head-split view of a linear whose bias add
+    is not yet computed: twins_svt_s's global attention), it copied q once per parameter that
+    received it, nine copies of q before each forward launch and eight before each backward one."""
+    if not is_tracing():
+        return q
+    return torch.empty((1,), dtype=q.dtype, device=q.device)
+
+
 def layout_order(x: torch.Tensor) -> list:
     """x's dims from outermost to innermost in memory (by stride, ties in dim order), the last
     dim innermost: the order of ``layout_like``'s dense result. The identity (contiguous) unless x
