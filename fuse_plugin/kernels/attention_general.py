@@ -271,7 +271,8 @@ class _Grads:
         self.dbias = host.empty(shape, torch.float32, dev) if call.need_dbias else None
 
     def ds_args(self, dummy):
-        """(DS tensor, its strides): dbias, or ``dummy`` (call.dummy) and zero strides (never written)."""
+        """(DS tensor, its strides): dbias, or ``dummy`` (call.dummy) and zero strides (never
+        written)."""
         if self.dbias is None:
             return dummy, (0, 0, 0, 0)
         return self.dbias, self.dbias.stride()

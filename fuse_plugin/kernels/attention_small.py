@@ -119,8 +119,8 @@ from .attention_tiles import (
 )
 from .attention_config import smem_limit
 from .call import dropout_args
-from .host import (FLOAT_BIAS, bias_args, bias_over_keys, cdiv, dot_precision, next_pow2, placeholder, sm_count,
-                   upcast_dot)
+from .host import (FLOAT_BIAS, bias_args, bias_over_keys, cdiv, dot_precision, next_pow2, placeholder,
+                   sm_count, upcast_dot)
 from .launch import hint, launch
 
 __all__ = ["MAX_LEN", "SmallConfig", "why_not", "forward", "backward", "default_config"]

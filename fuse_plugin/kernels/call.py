@@ -25,7 +25,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from . import host
-from .host import FLOAT_BIAS, NO_BIAS, bias_args, bias_over_keys, dropout_scale, dropout_threshold, placeholder
+from .host import (FLOAT_BIAS, NO_BIAS, bias_args, bias_over_keys, dropout_scale, dropout_threshold,
+                   placeholder)
 from .launch import hint, is_tracing
 
 DIRECTIONS = ("fwd", "bwd")
@@ -191,13 +192,12 @@ def check_softcap(softcap: float) -> None:
         raise ValueError(f"fuse_plugin::attention: softcap must be a finite number >= 0 (0 = off), got {softcap}")
 
 
-def dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor,
-                 dummy: Optional[torch.Tensor] = None):
-    """(Seed, drop_thresh, inv_keep, DROPOUT) kernel arguments; see ``_dropout_keep``. ``dummy``
-    (default q): the Seed without dropout (host.placeholder)."""
+def dropout_args(dropout_p: float, seed: Optional[torch.Tensor], q: torch.Tensor, dummy: torch.Tensor):
+    """(Seed, drop_thresh, inv_keep, DROPOUT) kernel arguments; see ``_dropout_keep``. ``dummy``:
+    the Seed without dropout (host.placeholder)."""
     check_dropout(dropout_p, seed, q)
     if dropout_p == 0.0:
-        return q if dummy is None else dummy, 0, 1.0, False
+        return dummy, 0, 1.0, False
     return seed, dropout_threshold(dropout_p), dropout_scale(dropout_p), True
 
 
@@ -406,7 +406,8 @@ class AttentionCall:
         B, Hq, Lq, _, _, Lk, _ = self.sizes
         self.kind, self.bias_t, self.sb = bias_args(self.bias, self.dummy)
         shape = (B, Hq, Lq, Lk) if self.period is None else (self.period, Hq, Lq, Lk)
-        self.rep_t, self.sr, self.has_rep = _replace_args(self.replace, self.kind, self.q, shape, self.dummy)
+        self.rep_t, self.sr, self.has_rep = _replace_args(self.replace, self.kind, self.q, shape,
+                                                          self.dummy)
 
     def materialise_bias(self) -> None:
         """A window-periodic bias (and its replace mask) as a (B, Hq, Lq, Lk) tensor, for the

@@ -108,8 +108,9 @@ def wanted(call, block_n: int) -> bool:
 
 
 def args(call, block_n: int) -> dict:
-    """The kernels' key-range arguments: ``KeyRange`` (the table, cached on the call;
-    call.dummy, never read, when off), its batch and head strides (0 where one row serves all) and ``KEY_RANGE``."""
+    """The kernels' key-range arguments: ``KeyRange`` (the table, cached on the call; call.dummy,
+    never read, when off), its batch and head strides (0 where one row serves all) and
+    ``KEY_RANGE``."""
     if not wanted(call, block_n):
         return dict(KeyRange=call.dummy, stride_krb=0, stride_krh=0, KEY_RANGE=False)
     table = getattr(call, "_key_range", None)
