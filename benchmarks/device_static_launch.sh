@@ -6,7 +6,8 @@
 # 1. tests/static_launch_child.py with the switch off, then on (a fresh process each, pool warm;
 #    CHILD_SWITCHES, default "off on").
 # 2. The zoo's default-mode training rows MODELS, variants compile, fused+compile, plugin under SWITCH
-#    (default STATIC_LAUNCH_WORKERS=on). The plain plugin variant is left out on purpose: two
+#    (default STATIC_LAUNCH_WORKERS=on, the default since stop 47: SWITCH=STATIC_LAUNCH_WORKERS=off
+#    times the switch off instead). The plain plugin variant is left out on purpose: two
 #    variants whose generated code is the same share one module (PyCodeCache keys by its source),
 #    so whichever was built first would decide the launcher of both.
 # 3. If time is left: benchmarks/host_split.py on twins_svt_s training (compile against the switch),

@@ -100,6 +100,12 @@ def phase_step(model, fn, opt, images, labels, clock: list):
     clock.append(time.perf_counter())
 
 
+def two_steps(model, fn, opt, images, labels) -> None:
+    """Two untimed steps (the cProfile, the launch costs and the GPU time each watch two)."""
+    for _ in range(2):
+        phase_step(model, fn, opt, images, labels, [time.perf_counter()])
+
+
 def timed_round(model, fn, opt, images, labels, steps: int, phases: int, device: str) -> tuple[list, float]:
     """Host seconds of each phase over ``steps`` steps (no sync inside), and the wall seconds."""
     import gc
@@ -147,8 +153,7 @@ def launch_costs(built, images, labels, device: str) -> str:
         CachingAutotuner.run = timed_run
         try:
             with zoo._variant_context(variant):
-                for _ in range(2):
-                    phase_step(model, fn, opt, images, labels, [time.perf_counter()])
+                two_steps(model, fn, opt, images, labels)
         finally:
             CachingAutotuner.run = original
         zoo.sync(device)
@@ -183,8 +188,7 @@ def gpu_time(built, images, labels, device: str) -> str:
     out = []
     for variant, (model, fn, opt) in built.items():
         with zoo._variant_context(variant), profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(2):
-                phase_step(model, fn, opt, images, labels, [time.perf_counter()])
+            two_steps(model, fn, opt, images, labels)
             zoo.sync(device)
         own = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
         rows = sorted(prof.key_averages(), key=lambda e: -own(e))
@@ -253,8 +257,7 @@ def main(argv=None) -> int:
                 prof = cProfile.Profile()
                 with zoo._variant_context(variant):
                     prof.enable()
-                    for _ in range(2):
-                        phase_step(model, fn, opt, images, labels, [time.perf_counter()])
+                    two_steps(model, fn, opt, images, labels)
                     prof.disable()
                 zoo.sync(args.device)
                 s = io.StringIO()
