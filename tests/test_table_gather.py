@@ -41,6 +41,60 @@ def test_bf16_gradient_is_added_in_float32():
     assert (table.grad[:, 1:] == 0).all()
 
 
+@pytest.mark.parametrize("dim", [0, 1])
+def test_the_backward_saves_the_index_as_given(dim):
+    """The op's two implementations, as Inductor traces them on CUDA (ops/inductor.py), in one
+    training graph split by AOTAutograd's partitioner (Inductor's): the backward reads the index
+    as given, so the forward saves that, not its normalised copy (which Inductor wrote to memory:
+    one kernel per site a step, Swin-T stop 48), and returns nothing computed from the index."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._functorch.aot_autograd import aot_function
+
+    from fuse_plugin.ops import table_gather as tg
+
+    class Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, table, index):
+            ctx.save_for_backward(index)
+            ctx.shape = list(table.shape)
+            return tg._table_gather(table, index, dim)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (index,) = ctx.saved_tensors
+            return tg._table_gather_backward(grad, index, dim, ctx.shape, grad.dtype), None
+
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    table = torch.randn(5, 7, requires_grad=True)
+    index = torch.randint(-table.shape[dim], table.shape[dim], (4, 6))
+    fn = aot_function(lambda t, i: Gather.apply(t, i).sum(), fw_compiler=keep, bw_compiler=keep,
+                      partition_fn=min_cut_rematerialization_partition)
+    fn(table, index).backward()
+    want = torch.zeros_like(table).index_add_(dim, torch.where(index < 0, index + table.shape[dim], index).flatten(),
+                                              torch.ones(_shape(table.shape, index.numel(), dim)))
+    assert torch.equal(table.grad, want)
+    forward = graphs[0].graph
+    saved = [a for a in forward.find_nodes(op="output")[0].args[0][1:] if a is not None]
+    computed = [a for a in saved if not a.meta["val"].is_floating_point() and not _index_as_given(a)]
+    assert computed == [], [(a.name, a.target) for a in computed]
+
+
+def _index_as_given(node) -> bool:
+    """node is a graph input, or a view of one (no kernel: nothing written to memory)."""
+    while node.op == "call_function" and node.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default):
+        node = node.args[0]
+    return node.op == "placeholder"
+
+
+def _shape(table_shape, n, dim):
+    return [*table_shape[:dim], n, *table_shape[dim + 1:]]
+
+
 def test_the_op_names_bad_input():
     t = torch.randn(3, 4)
     with pytest.raises(ValueError, match="index must be int64 or int32"):

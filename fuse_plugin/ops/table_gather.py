@@ -73,7 +73,12 @@ def _table_gather_backward(grad: Tensor, index: Tensor, dim: int, table_shape: l
     flat = grad.reshape([*table_shape[:dim], index.numel(), *table_shape[dim + 1:]])
     acc = torch.promote_types(table_dtype, torch.float32)
     out = grad.new_zeros(table_shape, dtype=acc)
-    return out.index_add_(dim, _flat_index(index, table_shape[dim]), flat.to(acc)).to(table_dtype)
+    # index_put_ counts negative indices from the end itself (index_add_ does not), so the backward
+    # needs no normalised index: with one, AOTAutograd's partitioner saved the forward's (which
+    # Inductor then wrote to memory, one kernel per site a step: Swin-T's 12, stop 48) instead of
+    # the index as given, and the forward's normalisation stays fused into its gather.
+    where = [None] * dim + [index.reshape(-1)]
+    return torch.ops.aten.index_put_(out, where, flat.to(acc), True).to(table_dtype)
 
 
 table_gather_backward = torch.library.custom_op("fuse_plugin::table_gather_backward", _table_gather_backward,
