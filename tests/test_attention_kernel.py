@@ -609,6 +609,26 @@ def test_tma_pair_is_deterministic_and_matches_the_general_pair():
         assert torch.equal(x, y) and rel_err(x, z) < 1e-2
 
 
+@pytest.mark.parametrize("config", [None, (16, 16, 4, 1, False, "two_kernel"), (16, 16, 4, 1, False, "tma"),
+                                    TMA_PAIR_CONFIG], ids=["default", "two_kernel", "tma", "tma_pair"])
+def test_backward_reads_lse_through_its_strides(config):
+    """An lse that is a view of a 32-row-padded buffer (the efficient family's traced forward
+    returns one: stop 48), the padding poisoned: every backward family of ours gives the
+    gradients of the contiguous lse (to bf16 rounding: the atomic ones add in any order)."""
+    torch.manual_seed(0)
+    q, k, v = make_qkv(2, 2, 1, 40, 40, 64, 64, torch.bfloat16, False)
+    dout = torch.randn_like(q)
+    out, lse = attn.attention_forward(q, k, v, None, is_causal=True, scale=0.125)
+    padded = torch.full((2, 2, 64), float("nan"), device=DEVICE)
+    padded[..., :40] = lse
+    view = padded[..., :40]
+    cfg = None if config is None else attn.AttentionConfig(*config)
+    run = lambda lse: attn.attention_backward(dout, q, k, v, None, out, lse, is_causal=True,  # noqa: E731
+                                              scale=0.125, need_dbias=False, config=cfg)[:3]
+    for got, want in zip(run(view), run(lse)):
+        assert not got.isnan().any() and rel_err(got, want) < 1e-2
+
+
 def test_tma_pair_refused_or_replaced_where_it_cannot_run(monkeypatch):
     """A user-given "tma_pair" config on a problem it does not cover is an error naming why; a
     table entry falls back to the general pair (with rope outside deterministic mode: the atomic

@@ -140,8 +140,10 @@ def check_out(name, got, want, tol, dead):
 
 
 def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal=False, bias=None, nW=None,
-             layout="bhld", need_dbias=False, config=None, edit=None):
-    """Forward and backward against the float64 reference (``edit``: see ``make_bias``)."""
+             layout="bhld", need_dbias=False, config=None, edit=None, padded_lse=False):
+    """Forward and backward against the float64 reference (``edit``: see ``make_bias``;
+    ``padded_lse``: lse a view of a (B, Hq, 32-row-padded) buffer, as the efficient family's
+    traced forward gives the backward)."""
     torch.manual_seed(0)
     scale = D ** -0.5
     q, k, v = make_qkv(B, Hq, Hkv, Lq, Lk, D, Dv, dtype, layout)
@@ -152,7 +154,7 @@ def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal=False, bias=None, nW=No
     ref_out.backward(dout.double())
 
     out = poisoned_empty((B, Lq, Hq, Dv), dtype, DEVICE).transpose(1, 2)  # the op's layout
-    lse = poisoned_empty((B, Hq, Lq), torch.float32, DEVICE)
+    lse = poisoned_empty((B, Hq, -(-Lq // 32) * 32 if padded_lse else Lq), torch.float32, DEVICE)[..., :Lq]
     small.forward(q, k, v, bias_t, is_causal=causal, scale=scale, out=out, lse=lse,
                   config=config)
     tol = TOL[dtype]
@@ -215,6 +217,11 @@ CASES = {
     "fp16-head-bias-pb1-causal-lq-gt-lk": dict(
         dtype=torch.float16, B=2, Hq=2, Hkv=2, Lq=100, Lk=64, D=64, Dv=64, causal=True,
         bias="head_pb1", need_dbias=True, config=(2, 4, 2)),
+    # The stage-1 case with its lse a view of a 32-row-padded buffer (the efficient family's
+    # traced forward, whose lse the backward then reads through its strides: stop 48).
+    "fp32-swin-nw2-packed-dbias-padded-lse": dict(
+        dtype=torch.float32, B=6, Hq=2, Hkv=2, Lq=49, Lk=49, D=32, Dv=32, bias="swin", nW=2,
+        layout="packed", need_dbias=True, config=(4, 4, 2), padded_lse=True),
     # One query, one key.
     "fp32-l1": dict(dtype=torch.float32, B=2, Hq=2, Hkv=1, Lq=1, Lk=1, D=16, Dv=16),
     # L 7, causal, no bias, three heads.

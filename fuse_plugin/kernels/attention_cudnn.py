@@ -109,5 +109,5 @@ def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     B, H, L = lse.shape
     seed = torch.empty((), dtype=torch.long, device=q.device)  # read only with dropout
     return aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse.view(B, H, L, 1), seed, seed, None, None, None, q.shape[2],
+        dout, q, k, v, out, lse.contiguous().view(B, H, L, 1), seed, seed, None, None, None, q.shape[2],
         k.shape[2], 0.0, bool(is_causal), scale=float(scale))
