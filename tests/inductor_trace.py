@@ -258,30 +258,6 @@ def small_case(p=0.0):
         return trace(fn, q, k, v, dout, bias, *extra)
 
 
-def efficient_small_case() -> fx.GraphModule:
-    """PyTorch's efficient forward, then the small family's backward (the pair the choice table
-    gives Swin-T's later stages, H100 stop 48), 64 x 24 heads of 49 x 32 with a learned
-    (1, 24, 49, 49) bias and its gradient: the backward reads the efficient kernel's lse as a
-    view of its 32-row-padded buffer, no copy (one per site before, and Inductor, padding the
-    copy's rows 1176 -> 1184 floats, copied it again before the backward launch)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from fuse_plugin.kernels import registry
-
-    mode = FakeTensorMode()
-    q, k, v, dout = (fake(mode, 64, 24, 49, 32) for _ in range(4))
-    bias = fake(mode, 1, 24, 49, 49)
-
-    def fn(q, k, v, dout, bias):
-        return attention_pair(q, k, v, dout, bias, is_causal=False, need_dbias=True)
-
-    def by_direction(call):
-        return "efficient" if call.direction == "fwd" else "small"
-
-    with mock.patch.object(registry, "_forced_name", by_direction):
-        return trace(fn, q, k, v, dout, bias)
-
-
 def efficient_case(periodic: bool):
     """PyTorch's efficient kernels as a family (forced: taken only where measured) on Swin's
     windows: 8 windows of 49 tokens, 3 heads of 32, a learned (1, 3, 49, 49) relative-position
@@ -465,7 +441,6 @@ CASES = {
     "small_dropout": lambda: small_case(p=0.1),
     "efficient_relpos": lambda: efficient_case(False),
     "efficient_shifted": lambda: efficient_case(True),
-    "efficient_small": efficient_small_case,
     "decode_bool": lambda: decode_case(B=1, Hq=12, Hkv=4, Lq=4, Lk=300, D=128, mask="bool"),
     # never decomposed: CPU tensors (the reference; CI's interpreter path)
     "cpu": lambda: attention_case(1, 2, 2, 40, 64, dtype=torch.float32, device="cpu"),

@@ -612,9 +612,10 @@ def test_tma_pair_is_deterministic_and_matches_the_general_pair():
 @pytest.mark.parametrize("config", [None, (16, 16, 4, 1, False, "two_kernel"), (16, 16, 4, 1, False, "tma"),
                                     TMA_PAIR_CONFIG], ids=["default", "two_kernel", "tma", "tma_pair"])
 def test_backward_reads_lse_through_its_strides(config):
-    """An lse that is a view of a 32-row-padded buffer (the efficient family's traced forward
-    returns one: stop 48), the padding poisoned: every backward family of ours gives the
-    gradients of the contiguous lse (to bf16 rounding: the atomic ones add in any order)."""
+    """An lse given as the view of a 32-row-padded buffer (as PyTorch's efficient kernel keeps
+    its own), the padding poisoned: every backward family of ours reads lse through its strides
+    and gives the gradients of the contiguous lse (to bf16 rounding: the atomic ones add in any
+    order)."""
     torch.manual_seed(0)
     q, k, v = make_qkv(2, 2, 1, 40, 40, 64, 64, torch.bfloat16, False)
     dout = torch.randn_like(q)

@@ -142,8 +142,8 @@ def check_out(name, got, want, tol, dead):
 def run_case(*, dtype, B, Hq, Hkv, Lq, Lk, D, Dv, causal=False, bias=None, nW=None,
              layout="bhld", need_dbias=False, config=None, edit=None, padded_lse=False):
     """Forward and backward against the float64 reference (``edit``: see ``make_bias``;
-    ``padded_lse``: lse a view of a (B, Hq, 32-row-padded) buffer, as the efficient family's
-    traced forward gives the backward)."""
+    ``padded_lse``: lse a view of a (B, Hq, 32-row-padded) buffer, written and read through
+    its strides)."""
     torch.manual_seed(0)
     scale = D ** -0.5
     q, k, v = make_qkv(B, Hq, Hkv, Lq, Lk, D, Dv, dtype, layout)
@@ -217,8 +217,8 @@ CASES = {
     "fp16-head-bias-pb1-causal-lq-gt-lk": dict(
         dtype=torch.float16, B=2, Hq=2, Hkv=2, Lq=100, Lk=64, D=64, Dv=64, causal=True,
         bias="head_pb1", need_dbias=True, config=(2, 4, 2)),
-    # The stage-1 case with its lse a view of a 32-row-padded buffer (the efficient family's
-    # traced forward, whose lse the backward then reads through its strides: stop 48).
+    # The stage-1 case with its lse a view of a 32-row-padded buffer (both kernels take lse
+    # through its strides).
     "fp32-swin-nw2-packed-dbias-padded-lse": dict(
         dtype=torch.float32, B=6, Hq=2, Hkv=2, Lq=49, Lk=49, D=32, Dv=32, bias="swin", nW=2,
         layout="packed", need_dbias=True, config=(4, 4, 2), padded_lse=True),

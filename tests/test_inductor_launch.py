@@ -188,16 +188,6 @@ def test_small_family_becomes_two_launches(traced, name):
     assert case["copies"] == []
 
 
-def test_efficient_forward_lse_reaches_the_small_backward_as_a_view(traced):
-    """The efficient forward's lse is passed to the small family's backward as the view of its
-    32-row-padded buffer: no copy of it (or of anything) in the traced graph."""
-    case = traced["efficient_small"]
-    assert_fully_traced(case)
-    assert case["efficient"] == ["_scaled_dot_product_efficient_attention"]
-    assert kernels(case) == ["attention_small_bwd_kernel"]
-    assert case["copies"] == []
-
-
 @pytest.mark.parametrize("name", ["efficient_relpos", "efficient_shifted"])
 def test_efficient_family_becomes_its_aten_ops(traced, name):
     """PyTorch's efficient kernels (kernels/attention_efficient.py) traced: its forward and backward

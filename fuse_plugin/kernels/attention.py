@@ -38,8 +38,7 @@ Shapes and layouts
   why not (registry.py).
 * Outputs: ``out`` (B, Hq, Lq, Dv) in q's dtype, laid out (B, Lq, Hq, Dv) in memory (a
   transposed view, see ``out_layout``), ``lse`` (B, Hq, Lq) fp32 contiguous (natural-log
-  logsumexp of the scaled, biased, masked scores of each row; traced, the efficient family's is a
-  view with a unit row stride: the backward families read lse through its strides). ``dout`` is read through its
+  logsumexp of the scaled, biased, masked scores of each row). ``dout`` is read through its
   strides (unit last stride).
 * Backward: ``dq``/``dk``/``dv`` shaped/typed as q/k/v, dense, their dims in q/k/v's memory
   order where those have a unit last stride, else contiguous (``host.layout_like``, as the op's

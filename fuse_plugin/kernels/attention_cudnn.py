@@ -109,5 +109,6 @@ def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     B, H, L = lse.shape
     seed = torch.empty((), dtype=torch.long, device=q.device)  # read only with dropout
     return aten._scaled_dot_product_cudnn_attention_backward(
+        # (contiguous: the other families read an lse through its strides, cuDNN's as it is laid out)
         dout, q, k, v, out, lse.contiguous().view(B, H, L, 1), seed, seed, None, None, None, q.shape[2],
         k.shape[2], 0.0, bool(is_causal), scale=float(scale))

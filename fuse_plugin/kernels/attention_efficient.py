@@ -45,7 +45,6 @@ from typing import Optional
 import torch
 
 from . import host
-from .launch import is_tracing
 
 aten = torch.ops.aten
 
@@ -123,14 +122,8 @@ def forward(q, k, v, bias, is_causal: bool, scale: float, period: Optional[int] 
                                                        scale=float(scale))
     if not need_lse:
         return res[0], host.empty((B, H, Lq), torch.float32, q.device)
-    lse = res[1].narrow(2, 0, Lq)  # its lse is padded to 32-row blocks
-    if is_tracing():
-        # Traced, the view (unit row stride; the backward families read lse through its strides,
-        # cuDNN's from a copy): a copy would be one more kernel a site, and one Inductor pads
-        # (its rows 1176 -> 1184 floats at Swin-T's stage 3) and so copies again before the
-        # backward launch that was given the copy's strides (H100 wrappers, stop 48)
-        return res[0], lse
-    return res[0], aten._to_copy(lse, memory_format=torch.contiguous_format)  # eager: the op's contract
+    # its lse is padded to 32-row blocks: the op's is (B, Hq, Lq) contiguous
+    return res[0], aten._to_copy(res[1].narrow(2, 0, Lq), memory_format=torch.contiguous_format)
 
 
 def backward(dout, q, k, v, bias, out, lse, is_causal: bool, scale: float, need_dbias: bool,
