@@ -15,9 +15,10 @@ entries per head, up to 676 per entry). Autograd's index_put with accumulate, as
 it for a bf16 table, adds in bf16 with contended atomics: 742 us of GPU for one LeViT stage-1
 bias and 1.8 ms at 12 heads (H100, bf16, 2026-11-26, `benchmarks/table_gather.py`, benchmarks/
 RESULTS.md "Stop 29"), with 3e-2 relative error against float64. ``table_gather_backward`` adds
-in float32 (``index_add``; float64 for a float64 table) and rounds once: 9.8 us there, 2e-3 error (bf16's rounding of the
-result). The rewrite (patterns/bias_table.py) puts this op in place of the gather that builds an
-attention site's bias when the table is trained.
+in float32 (an accumulating ``index_put_``, as Inductor compiles ``index_add``; float64 for a
+float64 table) and rounds once: 9.8 us there, 2e-3 error (bf16's rounding of the result). The
+rewrite (patterns/bias_table.py) puts this op in place of the gather that builds an attention
+site's bias when the table is trained.
 
 Compiled by Inductor, both ops decompose into their torch ops (ops/inductor.py): the forward's
 gather is fused by Inductor where the bias is read; the backward is one float32 scatter.
@@ -77,8 +78,8 @@ def _table_gather_backward(grad: Tensor, index: Tensor, dim: int, table_shape: l
     # needs no normalised index: with one, AOTAutograd's partitioner saved the forward's (which
     # Inductor then wrote to memory, one kernel per site a step: Swin-T's 12, stop 48) instead of
     # the index as given, and the forward's normalisation stays fused into its gather.
-    where = [None] * dim + [index.reshape(-1)]
-    return torch.ops.aten.index_put_(out, where, flat.to(acc), True).to(table_dtype)
+    indices = [None] * dim + [index.reshape(-1)]  # (None: the dims before dim, all of them)
+    return torch.ops.aten.index_put_(out, indices, flat.to(acc), True).to(table_dtype)
 
 
 table_gather_backward = torch.library.custom_op("fuse_plugin::table_gather_backward", _table_gather_backward,

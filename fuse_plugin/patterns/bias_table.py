@@ -4,7 +4,7 @@ LeViT's attention biases (``table[:, idx]``, table (H, N)) and the relative-posi
 Swin and BEiT (``table[idx.view(-1)]``, table (M, H), then viewed and permuted) build an attention
 site's bias by gathering a learned table. Autograd's gradient of that gather, compiled, adds in
 bf16 with contended atomics: up to 1.8 ms of GPU per site and step on an H100, where the
-op's float32 ``index_add`` takes ~10 us (ops/table_gather.py has the figures). The rewrite puts
+op's float32 scatter-add takes ~10 us (ops/table_gather.py has the figures). The rewrite puts
 the op in place of such a gather when the site is trained, whatever the site's decision (our op,
 an SDPA call or Inductor): the values are the same, only the gradient's kernel changes.
 
