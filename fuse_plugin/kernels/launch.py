@@ -267,7 +267,15 @@ def _fresh_view(t: torch.Tensor) -> torch.Tensor:
     after an earlier read) would then get the earlier descriptor, with no dependency on the
     write: Inductor dropped such writers as dead code (H100, torch 2.11: 10 of 11 chained
     forwards, silently). A fresh view is a new IR node (a ``ReinterpretView``: no copy, no
-    kernel), so its descriptor is made after, and depends on, the write."""
+    kernel), so its descriptor is made after, and depends on, the write.
+
+    It carries the strides of the trace. A saved activation whose strides Inductor padded when it
+    compiled the forward (comprehensive padding: strides over 1024 elements rounded up to 128
+    bytes; the backward's placeholder then has the padded ones) would be reinterpreted with the
+    unpadded strides. That cannot happen to what a descriptor reads here: the TMA families take
+    16-bit q/k/v/dout/out with D 64, 128 or 256 (attention_hopper.TMA_HEAD_DIMS,
+    TMA_PAIR_HEAD_DIMS), so every stride over 1024 of theirs is already a multiple of 64
+    elements. A family that widens those must revisit this (stop 48)."""
     return t.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
