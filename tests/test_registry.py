@@ -120,6 +120,52 @@ def test_a_choice_read_from_the_table(tmp_path, monkeypatch):
         choice_table.clear_cache()
 
 
+def test_a_compiled_graph_issued_by_the_host_weighs_each_family_by_its_host_time(monkeypatch):
+    """Traced into a graph without CUDA graphs, a family's cost is the longer of its measured
+    device time and its host time (choice_table.HOST_US): a family faster on the GPU but slower to
+    issue loses where the host's time is the larger; eager calls and CUDA graphs (no host issue
+    per call) keep the device times; the explain line says which time counted."""
+    from torch._inductor import config
+
+    from fuse_plugin.kernels.launch import tracing
+
+    times = {"fwd": {"small": 30.0, "general": 20.0}}
+    monkeypatch.setattr(choice_table, "lookup", lambda device, k: times)
+    monkeypatch.setattr(choice_table, "HOST_US", {"fwd": {"small": 10.0, "general": 50.0}})
+    assert registry.choose(_call())[0].name == "general"  # eager: the GPU's times
+    with tracing():
+        family, _, why = registry.choose(_call())
+        assert family.name == "small"
+        assert why == "measured: small 30.0 us, 1.67x faster than general (50.0 us (host; 20.0 on the GPU))"
+        with config.patch({"triton.cudagraphs": True}):
+            assert registry.choose(_call())[0].name == "general"  # replayed: no host issue per call
+
+
+def test_host_times_break_ties_by_the_gpu_and_assume_the_worst_where_unmeasured():
+    costs = choice_table.host_bound_costs({"small": 3.7, "general": 8.0, "tma": 9.0, "cudnn": 5.0}, "fwd")
+    host = choice_table.HOST_US["fwd"]
+    assert costs["small"] == costs["general"] == host["general"]  # both issue one launch of ours
+    assert costs["tma"] == max(host.values())  # its host time unmeasured: the worst measured
+    assert costs["cudnn"] == host["cudnn"] > host["general"]
+    assert choice_table.fastest_first(costs, {"small": 3.7, "general": 8.0})[:2] == ["small", "general"]
+    big = choice_table.host_bound_costs({"cudnn": 900.0, "general": 1000.0}, "bwd")
+    assert choice_table.fastest_first(big, {}) == ["cudnn", "general"]  # the GPU's time is the larger
+
+
+def test_the_shipped_table_takes_our_kernels_for_class_attention_in_default_mode():
+    """CaiT's class attention (one query against 197 keys, head dim 48; H100, stop 49): cuDNN is
+    1 us faster on the GPU both ways, our kernels cheaper to issue; in default mode (the host's
+    time the larger) the choice takes ours, as CaiT-XXS24 training measured it faster (0.976 of
+    stock compile's host time a step against cuDNN's 1.036); under CUDA graphs cuDNN."""
+    entries = choice_table.entries_of(choice_table.path_for((9, 0)), "NVIDIA H100 80GB HBM3")
+    entry = entries[choice_table.class_key(torch.bfloat16, 48, 48, 1, 197, "none", False, False)]
+    for direction in ("fwd", "bwd"):
+        device = entry[direction]
+        assert min(device, key=device.get) == "cudnn"
+        costs = choice_table.host_bound_costs(device, direction)
+        assert choice_table.fastest_first(costs, device)[0] == "general", (direction, costs)
+
+
 def test_the_shipped_table_leaves_xcit_cross_covariance_to_inductor(tmp_path, monkeypatch):
     """XCiT's XCA sites (32 channels as tokens, the 196 patches as the head dim; H100, stop 34):
     only our general kernels run head dim 196, at a third of Inductor's speed: both modes go to

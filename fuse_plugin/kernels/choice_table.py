@@ -161,14 +161,72 @@ def key_of_call(call) -> Optional[str]:
                      call.is_causal, call.dropout)
 
 
-def measured(call) -> Optional[dict]:
+# The host's time of one call of a family in a compiled graph's default mode (no CUDA graphs),
+# us: what a step spends issuing it where the GPU waits for the host (timm's small models in
+# training are host-bound: deit3_s 17-22 ms of host against 9 ms of GPU a step, H100, stop 49).
+# Measured by benchmarks/host_cost.py (H100, torch 2.11, stop 49; RESULTS 'Stop 49'): the host's
+# time per site of a compiled graph of 4 attention sites (64 x 6 x 197 x 64, bf16) with each
+# family forced. Forward: that time of the family's call (a launch of ours through Inductor
+# 46.3, cuDNN's ATen op 58.7, the efficient kernels' 48.1, the flash forward's 51.0). Backward:
+# the forward's launch (46.3, a lower bound of ours: the backward launches at least one kernel
+# as large) plus what each ATen family measured above ours in training, less its forward's share
+# (cuDNN +29.6, the efficient kernels +161.9). Families not here (the TMA and Gluon kernels) are
+# timed by their device time alone: the Gluon kernels' host cost has its own rule
+# (attention_hopper.why_not_host_heavy_traced).
+HOST_US = {"fwd": {"general": 46.3, "small": 46.3, "decode": 46.3, "cudnn": 58.7, "efficient": 48.1,
+                   "flash": 51.0},
+           "bwd": {"general": 46.3, "small": 46.3, "two_kernel": 46.3, "cudnn": 75.9, "efficient": 208.2}}
+
+
+def host_us(family: str, direction: str) -> float:
+    """``HOST_US``'s time for a family; a family it lacks (the TMA and Gluon kernels: a launch
+    with TMA descriptors, or an eager one, unmeasured) at the largest of the direction's, so that
+    the host's time never moves a choice to a family whose host cost nobody measured."""
+    host = HOST_US.get(direction, {})
+    return host.get(family, max(host.values(), default=0.0))
+
+
+def host_bound_costs(times: dict, direction: str) -> dict:
+    """{family: us} of a call in a compiled graph without CUDA graphs: the longer of its measured
+    device time and its host time (``host_us``). A step pays for each call at least the time the
+    host takes to issue it and at least the GPU's; the choice then differs from the device times'
+    only where the host's time is the larger: small problems (CaiT's class attention, Lq 1 against
+    197 keys: cuDNN 5.9 us against our 6.7 on the GPU, 58.7 against 46.3 on the host; our
+    kernels there made CaiT-XXS24 training 0.976 of stock compile's host time a step, cuDNN's
+    1.036, H100, stop 49). Ties (families all below their host time) go to the faster on the
+    GPU (``fastest_first``)."""
+    return {name: max(us, host_us(name, direction)) for name, us in times.items()}
+
+
+def fastest_first(costs: dict, device: dict) -> list:
+    """The family names of ``costs`` ({family: us}), the cheapest first, ties by ``device`` time."""
+    return sorted(costs, key=lambda name: (costs[name], device.get(name, costs[name])))
+
+
+def _issued_by_host(call) -> bool:
+    """Is the call traced into a compiled graph that the host issues call by call (not replayed
+    as a CUDA graph)?"""
+    if not call.traced:
+        return False
+    from torch._inductor import config
+
+    return not config.triton.cudagraphs
+
+
+def measured(call, host: bool = True) -> Optional[dict]:
     """Our families' measured times for a launcher call's class and direction (registry.choose),
     or None where the class was not measured; for an inference forward (need_lse=False) each
-    family at the faster of its times with and without the logsumexp."""
+    family at the faster of its times with and without the logsumexp. Traced into a graph that
+    the host issues call by call (default mode), each time is at least the family's host time
+    (``host_bound_costs``), unless ``host`` is False (the device times alone)."""
     times = lookup(call.q.device, key_of_call(call))
     if call.direction == "fwd" and not call.need_lse:
-        return infer_times(times) or None
-    return (times or {}).get(call.direction) or None
+        times = infer_times(times)
+    else:
+        times = (times or {}).get(call.direction) or {}
+    if times and host and _issued_by_host(call):
+        times = host_bound_costs(times, call.direction)
+    return times or None
 
 
 def infer_times(times: Optional[dict]) -> dict:
@@ -197,12 +255,17 @@ def small_config(call) -> Optional[tuple]:
     return tuple(int(x) for x in cfg) if isinstance(cfg, list) and len(cfg) == 3 else None
 
 
-def describe(us: dict, chosen: str) -> str:
+def describe(us: dict, chosen: str, device: Optional[dict] = None) -> str:
     """``measured: small 45.2 us, 2.10x faster than inductor (95.0 us)``: the choice and its
-    runner-up."""
+    runner-up; where a cost is the host's time (``host_bound_costs``: ``device`` holds the GPU's),
+    ``46.3 us (host; 6.7 on the GPU)``."""
+    def cost(name: str) -> str:
+        gpu = (device or {}).get(name)
+        return f"{us[name]:.1f} us" + (f" (host; {gpu:.1f} on the GPU)" if gpu is not None and gpu < us[name] else "")
+
     others = sorted((v, k) for k, v in us.items() if k != chosen)
-    text = f"measured: {chosen} {us[chosen]:.1f} us"
+    text = f"measured: {chosen} {cost(chosen)}"
     if others:
         v, k = others[0]
-        text += f", {v / us[chosen]:.2f}x faster than {k} ({v:.1f} us)"
+        text += f", {v / us[chosen]:.2f}x faster than {k} ({cost(k)})"
     return text

@@ -8,7 +8,8 @@ tiles it would run it with (``config``) and launches it (``run``). ``choose`` pi
    a ``SmallConfig``), or ``FUSE_PLUGIN_ATTENTION_FAMILY`` / ``forced(name)`` names one. It runs,
    or ``FamilyError`` lists every family's reason;
 2. **measured**: where the shipped choice table (choice_table.py, ``python -m fuse_plugin.tune
-   --choices``) measured the problem's class, the fastest family that can run it;
+   --choices``) measured the problem's class, the fastest family that can run it (in a graph
+   compiled without CUDA graphs, each family's time at least its host time: choice_table.HOST_US);
 3. **rules**: else the first family of ``PRIORITY`` that can run it. Each rule is a measurement
    (the figures are in the families' ``why_not`` and in benchmarks/RESULTS.md).
 
@@ -622,10 +623,11 @@ def _choose(call):
         return family, family.config(call), "forced"
     measured = choice_table.measured(call)
     if measured:
-        for name, us in sorted(measured.items(), key=lambda kv: kv[1]):
+        device = choice_table.measured(call, host=False)
+        for name in choice_table.fastest_first(measured, device):
             family = families.get(name)
             if family is not None and family.why_not(call) is None:
-                return family, family.config(call), choice_table.describe(measured, name)
+                return family, family.config(call), choice_table.describe(measured, name, device)
     for name in PRIORITY[call.direction]:
         family = families[name]
         # the rule first: it is cheap (the table's pick), and a Hopper family's checks may stop a
