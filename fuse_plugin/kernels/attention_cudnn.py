@@ -107,7 +107,10 @@ def forward(q, k, v, is_causal: bool, scale: float, need_lse: bool = True) -> tu
 def backward(dout, q, k, v, out, lse, is_causal: bool, scale: float):
     """dq, dk, dv in q's / k's / v's stride order."""
     B, H, L = lse.shape
-    seed = torch.empty((), dtype=torch.long, device=q.device)  # read only with dropout
+    # read only with dropout (ATen's run_cudnn_SDP_bprop); one element, not 0-d: Inductor lowers
+    # an empty tensor with dims to no kernel, a 0-d one to a fill kernel of its own (one launch
+    # per site in a compiled backward: 12 in DeiT-III-S's, H100 wrapper, stop 49)
+    seed = torch.empty((1,), dtype=torch.long, device=q.device)
     return aten._scaled_dot_product_cudnn_attention_backward(
         # (contiguous: the other families read an lse through its strides, cuDNN's as it is laid out)
         dout, q, k, v, out, lse.contiguous().view(B, H, L, 1), seed, seed, None, None, None, q.shape[2],
