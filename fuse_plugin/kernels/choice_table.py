@@ -170,9 +170,9 @@ def key_of_call(call) -> Optional[str]:
 # 46.3, cuDNN's ATen op 58.7, the efficient kernels' 48.1, the flash forward's 51.0). Backward:
 # the forward's launch (46.3, a lower bound of ours: the backward launches at least one kernel
 # as large) plus what each ATen family measured above ours in training, less its forward's share
-# (cuDNN +29.6, the efficient kernels +161.9). Families not here (the TMA and Gluon kernels) are
-# timed by their device time alone: the Gluon kernels' host cost has its own rule
-# (attention_hopper.why_not_host_heavy_traced).
+# (cuDNN +29.6, the efficient kernels +161.9). Families not here (the TMA and Gluon kernels)
+# count at the direction's largest (``host_us``); the Gluon kernels' host cost also has a rule of
+# its own (attention_hopper.why_not_host_heavy_traced).
 HOST_US = {"fwd": {"general": 46.3, "small": 46.3, "decode": 46.3, "cudnn": 58.7, "efficient": 48.1,
                    "flash": 51.0},
            "bwd": {"general": 46.3, "small": 46.3, "two_kernel": 46.3, "cudnn": 75.9, "efficient": 208.2}}
@@ -261,7 +261,8 @@ def describe(us: dict, chosen: str, device: Optional[dict] = None) -> str:
     ``46.3 us (host; 6.7 on the GPU)``."""
     def cost(name: str) -> str:
         gpu = (device or {}).get(name)
-        return f"{us[name]:.1f} us" + (f" (host; {gpu:.1f} on the GPU)" if gpu is not None and gpu < us[name] else "")
+        host = gpu is not None and gpu < us[name]
+        return f"{us[name]:.1f} us" + (f" (host; {gpu:.1f} on the GPU)" if host else "")
 
     others = sorted((v, k) for k, v in us.items() if k != chosen)
     text = f"measured: {chosen} {cost(chosen)}"
