@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import time
@@ -32,6 +31,7 @@ import time
 import common  # noqa: F401  (puts this tree's fuse_plugin on sys.path)
 import torch
 import torch.nn.functional as F
+from common import switch_of
 
 SHAPES = {  # name: (B, H, Lq, Lk, D), the sites of timm models at batch 64
     "deit3": (64, 6, 197, 197, 64),  # ViT-S/16, DeiT-III-S
@@ -72,19 +72,16 @@ def build(variant: str, shape, task: str, sites: int):
         if train:
             torch.autograd.backward(outs, grads)
 
-    # the switches as environment variables: a backward compiled on autograd's thread reads them too
-    switches = {"FUSE_PLUGIN_SITE_CHOICE": "ours", "FUSE_PLUGIN_ATTENTION_FAMILY": variant} if ours else {}
-    old = {k: os.environ.get(k) for k in switches}
-    os.environ.update(switches)
-    try:
-        with contextlib.nullcontext() if ours else fuse_plugin.disabled():
-            call()  # compiles
-    finally:
-        for k, v in old.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
+    # the switches as environment variables (common.switch_of): a backward compiled on autograd's
+    # thread reads them too
+    if ours:
+        compiling = contextlib.ExitStack()
+        compiling.enter_context(switch_of("plugin@SITE_CHOICE=ours"))
+        compiling.enter_context(switch_of(f"plugin@ATTENTION_FAMILY={variant}"))
+    else:
+        compiling = fuse_plugin.disabled()
+    with compiling:
+        call()  # compiles
     for _ in range(3):
         call()
     torch.cuda.synchronize()
