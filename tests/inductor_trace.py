@@ -89,6 +89,7 @@ def clones_inductor_keeps(gm: fx.GraphModule) -> list:
     Identical ``empty_strided`` outputs merged by the first were copied by the second
     (host.gradient_buffer)."""
     import copy
+    import inspect
 
     from torch._functorch.compile_utils import fx_graph_cse
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
@@ -98,7 +99,9 @@ def clones_inductor_keeps(gm: fx.GraphModule) -> list:
     g = copy.deepcopy(gm)
     g.graph = fx_graph_cse(g.graph)
     g.recompile()
-    reinplace_inplaceable_ops(FakeTensorUpdater(g), g.graph)
+    # torch 2.11's FakeTensorUpdater takes the graph, 2.13's the GraphModule (pytorch PR 159523)
+    takes_gm = "gm" in inspect.signature(FakeTensorUpdater.__init__).parameters
+    reinplace_inplaceable_ops(FakeTensorUpdater(g if takes_gm else g.graph), g.graph)
     left = []
     for n in g.graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional):
         kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
