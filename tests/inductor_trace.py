@@ -101,7 +101,10 @@ def clones_inductor_keeps(gm: fx.GraphModule) -> list:
     g.recompile()
     # torch 2.11's FakeTensorUpdater takes the graph, 2.13's the GraphModule (pytorch PR 159523)
     takes_gm = "gm" in inspect.signature(FakeTensorUpdater.__init__).parameters
-    reinplace_inplaceable_ops(FakeTensorUpdater(g if takes_gm else g.graph), g.graph)
+    if "fake_tensor_updater" in inspect.signature(reinplace_inplaceable_ops).parameters:
+        reinplace_inplaceable_ops(FakeTensorUpdater(g if takes_gm else g.graph), g.graph)
+    else:  # (older torch: the graph alone)
+        reinplace_inplaceable_ops(g.graph)
     left = []
     for n in g.graph.find_nodes(op="call_function", target=torch.ops.higher_order.triton_kernel_wrapper_functional):
         kernel = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
