@@ -219,14 +219,21 @@ def measured(call, host: bool = True) -> Optional[dict]:
     family at the faster of its times with and without the logsumexp. Traced into a graph that
     the host issues call by call (default mode), each time is at least the family's host time
     (``host_bound_costs``), unless ``host`` is False (the device times alone)."""
+    costs, device = costs_and_device(call)
+    return costs if host else device
+
+
+def costs_and_device(call) -> tuple[Optional[dict], Optional[dict]]:
+    """(``measured(call)``, ``measured(call, host=False)``) from one lookup of the class: what
+    the registry ranks the families by, and their device times (ties, ``describe``)."""
     times = lookup(call.q.device, key_of_call(call))
     if call.direction == "fwd" and not call.need_lse:
-        times = infer_times(times)
+        device = infer_times(times)
     else:
-        times = (times or {}).get(call.direction) or {}
-    if times and host and _issued_by_host(call):
-        times = host_bound_costs(times, call.direction)
-    return times or None
+        device = (times or {}).get(call.direction) or {}
+    if not device:
+        return None, None
+    return (host_bound_costs(device, call.direction) if _issued_by_host(call) else device), device
 
 
 def infer_times(times: Optional[dict]) -> dict:

@@ -621,9 +621,8 @@ def _choose(call):
             raise FamilyError(f"fuse_plugin attention: the {name!r} kernel family cannot run this "
                               f"problem ({call.describe()}): {why_not}. Every family:\n{lines}")
         return family, family.config(call), "forced"
-    measured = choice_table.measured(call)
+    measured, device = choice_table.costs_and_device(call)
     if measured:
-        device = choice_table.measured(call, host=False)
         for name in choice_table.fastest_first(measured, device):
             family = families.get(name)
             if family is not None and family.why_not(call) is None:
