@@ -343,6 +343,9 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
                       else f"{v} {results[(name, mode, v)]}" for v in variants)
     log(f"  {name:20} {mode:16} {cells}   (compile {compiled_s:.0f} s, {steps} steps a run, total "
         f"{time.perf_counter() - t0:.0f} s)")
+    if rounds > 1:  # each run's ms per step, in round order: the host's drift between rounds
+        log("    ms a step by round: " + " | ".join(
+            f"{v} " + " ".join(f"{1e3 * t / steps:.2f}" for t in times[v]) for v in steps_of))
 
 
 def table(results, rows, modes, variants) -> list[str]:
