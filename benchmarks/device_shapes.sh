@@ -5,7 +5,8 @@
 # default 16, for at most PREPASS_LIMIT s, default 240), then a process per row and mode builds
 # from the caches (PARALLEL at once, default 12) and the rows time one at a time (interleaved
 # rounds inside each row, as shapes.py does). On a machine of several GPUs the processes are
-# spread over them; each row still times alone. LAYERS (default 4), ROUNDS (default 5), DEADLINE
+# spread over them; each row still times alone. LAYERS (default 4), ROUNDS (default 5; a row whose
+# rounds would time for < 3 s runs more, up to 25: shapes.py --min-timing-s), DEADLINE
 # (s, default 540), VARIANTS (shapes.py's --variants, default its own), MODES (default
 # "default,reduce-overhead"). Writes $OUT/shapes.{md,log}; prints the table last.
 source "$(dirname "$0")/device_setup.sh"

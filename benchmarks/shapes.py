@@ -2,7 +2,7 @@
 
     python benchmarks/shapes.py [--layers 12] [--rows ROW,...] [--modes default,reduce-overhead]
                                 [--variants compile,sdpa+compile,plugin[,plugin-sdpa]] [--steps 10]
-                                [--rounds 5] [--min-run-ms 50]
+                                [--rounds 5] [--min-run-ms 50] [--min-timing-s 3]
                                 [--out FILE.md] [--profile N]
 
 With ``--rounds 0`` it only compiles and warms up every cell: a few such processes run in
@@ -35,7 +35,8 @@ under no_grad. Each row and mode runs in one go: every variant gets its own mode
 (3 warm-up steps), then ``--rounds`` rounds in which the variants take turns, each running
 ``--steps`` timed steps synchronised once (the host may run ahead of the GPU, as in a real loop);
 a row whose fastest variant runs them in under ``--min-run-ms`` (50 by default) runs more, the
-same number for every variant (run_steps; the log gives each row's).
+same number for every variant (run_steps; the log gives each row's), and a row whose rounds would
+time for less than ``--min-timing-s`` (3 by default) runs more of them, up to 25 (run_rounds).
 The garbage collector is off inside a timed run (collected between runs, as timeit does).
 A cell is the median of its rounds (the best in brackets): the host of the device machine drifts
 by 10-30% over minutes, and interleaving puts that drift on every variant alike (variants
@@ -285,8 +286,25 @@ def run_steps(steps: int, probe_s: list, min_run_s: float) -> int:
     return math.ceil(steps * min_run_s / fastest)
 
 
+MAX_ROUNDS = 25  # run_rounds' most
+
+
+def run_rounds(rounds: int, round_s: float, min_timing_s: float, cap: int = MAX_ROUNDS) -> int:
+    """Rounds of a row: ``rounds``, or more (at most ``cap``) where a round (every variant's run,
+    ``round_s`` seconds) is so short that ``rounds`` of them time for less than ``min_timing_s``.
+    Five rounds of a host-bound row are moved by one slow phase of the host: llama-infer-1x128 in
+    default mode read 0.79 by its medians and 1.17 paired (H100, stop 51), its rounds lasting
+    0.04 s a variant; 25 of them cost ~3 s, nothing beside the row's compile."""
+    import math
+
+    if min_timing_s <= 0 or round_s <= 0 or rounds * round_s >= min_timing_s:
+        return rounds
+    return max(rounds, min(cap, math.ceil(min_timing_s / round_s)))
+
+
+
 def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0, before_timing=lambda: None,
-            min_run_s=0.0):
+            min_run_s=0.0, min_timing_s=0.0):
     """One row in one mode, every variant in this process: each variant gets its own model and
     compile (3 warm-up steps), then `rounds` rounds in which each variant runs `steps` timed steps
     (more where a run would be shorter than ``min_run_s``: run_steps) in turn, so that the host's
@@ -322,10 +340,11 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
         log(f"  {name:20} {mode:16} compiled and warmed up: {', '.join(steps_of)}   ({compiled_s:.0f} s)")
         return
     probe = []
-    for variant in steps_of if min_run_s > 0 else ():
+    for variant in steps_of if min_run_s > 0 or min_timing_s > 0 else ():
         with _variant_context(variant):
             probe.append(timed_run(steps_of[variant][0], steps))
-    steps = run_steps(steps, probe, min_run_s)
+    probe_steps, steps = steps, run_steps(steps, probe, min_run_s)
+    rounds = run_rounds(rounds, sum(probe) * steps / probe_steps, min_timing_s)
     results[(name, mode, "steps")] = steps
     for i in range(rounds):
         for variant in round_order(list(steps_of), i):
@@ -341,7 +360,7 @@ def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0
             log(profile_steps(step, profile, f"{name} {mode} {variant}"))
     cells = "  ".join(f"{v} {results[(name, mode, v)]:.0f}" if isinstance(results[(name, mode, v)], float)
                       else f"{v} {results[(name, mode, v)]}" for v in variants)
-    log(f"  {name:20} {mode:16} {cells}   (compile {compiled_s:.0f} s, {steps} steps a run, total "
+    log(f"  {name:20} {mode:16} {cells}   (compile {compiled_s:.0f} s, {rounds} rounds of {steps} steps, total "
         f"{time.perf_counter() - t0:.0f} s)")
     if rounds > 1:  # each run's ms per step, in round order: the host's drift between rounds
         log("    ms a step by round: " + " | ".join(
@@ -395,7 +414,7 @@ def worker_argv(args, name, mode, prefix, variants=None) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--rows", name, "--modes", mode,
             "--variants", ",".join(variants or args.variants.split(",")), "--steps", str(args.steps), "--rounds",
             str(args.rounds if prefix else 0), "--profile", str(args.profile if prefix else 0), "--no-overhead",
-            "--min-run-ms", str(args.min_run_ms)]
+            "--min-run-ms", str(args.min_run_ms), "--min-timing-s", str(args.min_timing_s)]
     return argv + (["--worker", prefix] if prefix else [])
 
 
@@ -407,7 +426,8 @@ def run_worker(args, variants) -> None:
         wait_for_turn(args.worker, torch.cuda.memory_reserved() / 2**30)
 
     run_row(args.rows, args.modes, variants, args.layers, args.steps, args.rounds, results,
-            lambda s: print(s, flush=True), args.profile, before_timing=turn, min_run_s=args.min_run_ms / 1e3)
+            lambda s: print(s, flush=True), args.profile, before_timing=turn, min_run_s=args.min_run_ms / 1e3,
+            min_timing_s=args.min_timing_s)
     if hasattr(vit, "source"):  # the parent's report names the ViT's source
         results[("vit-source",)] = vit.source
     with open(args.worker + ".json", "w") as f:
@@ -453,6 +473,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5,
                         help="interleaved timed runs per variant (0: only compile and warm up, which "
                              "fills the compile caches for a later timed run)")
+    parser.add_argument("--min-timing-s", type=float, default=3.0, metavar="S",
+                        help=f"more rounds (at most {MAX_ROUNDS}) in a row whose --rounds would time for "
+                             "less than S seconds (run_rounds; 0: always --rounds)")
     parser.add_argument("--no-overhead", action="store_true", help="skip the host-time table")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after the timed rounds, profile N steps of each variant (see above)")
@@ -477,8 +500,8 @@ def main(argv=None):
               f"{transformers.__version__} | {time.strftime('%Y-%m-%d')} | bf16 (rows -fp32-: "
               f"fp32, -amp-: fp32 weights + bf16 autocast) | Llama {args.layers} layers | median (best) of "
               f"{args.rounds} interleaved runs of {args.steps} steps"
-              + (f" (or more: at least {args.min_run_ms:g} ms a run; the log gives each row's)"
-                 if args.min_run_ms else ""))
+              + (f" (or more: at least {args.min_run_ms:g} ms a run, {args.min_timing_s:g} s of runs a row, up to "
+                 f"{MAX_ROUNDS} rounds; the log gives each row's)" if args.min_run_ms or args.min_timing_s else ""))
     if args.worker:
         return run_worker(args, variants)
     print(header, flush=True)
@@ -490,7 +513,8 @@ def main(argv=None):
     for name in rows if not args.parallel else ():
         for mode in modes:
             run_row(name, mode, variants, args.layers, args.steps, args.rounds, results,
-                    lambda s: print(s, flush=True), args.profile, min_run_s=args.min_run_ms / 1e3)
+                    lambda s: print(s, flush=True), args.profile, min_run_s=args.min_run_ms / 1e3,
+                    min_timing_s=args.min_timing_s)
             _free()  # the row's models and compiled graphs are gone once run_row returns
             if args.out and args.rounds:  # the rows so far, should the run be cut short
                 emit(report(header, results, rows, modes, variants) + ["", "(partial)"], args.out, quiet=True)

@@ -150,6 +150,20 @@ def test_shapes_runs_last_at_least_min_run():
     assert shapes.run_steps(10, [], 0.05) == 10  # nothing probed (every variant failed)
 
 
+def test_shapes_times_short_rows_for_more_rounds():
+    """shapes.py's rounds: --rounds, or more (at most MAX_ROUNDS) where that many rounds would
+    time for less than --min-timing-s, so that one slow phase of the host cannot move a
+    host-bound row's median."""
+    import shapes
+
+    assert shapes.run_rounds(5, 2.0, 3.0) == 5  # 10 s of rounds already
+    assert shapes.run_rounds(5, 0.5, 3.0) == 6  # 6 rounds of 0.5 s
+    assert shapes.run_rounds(5, 0.01, 3.0) == shapes.MAX_ROUNDS  # capped
+    assert shapes.run_rounds(5, 0.01, 0.0) == 5  # off
+    assert shapes.run_rounds(5, 0.0, 3.0) == 5  # nothing probed (every variant failed)
+    assert shapes.run_rounds(30, 0.01, 3.0) == 30  # never fewer than asked
+
+
 def test_table():
     variants = list(zoo.VARIANTS)
     lines = zoo.table(_rows(), variants)
