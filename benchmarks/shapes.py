@@ -302,7 +302,6 @@ def run_rounds(rounds: int, round_s: float, min_timing_s: float, cap: int = MAX_
     return max(rounds, min(cap, math.ceil(min_timing_s / round_s)))
 
 
-
 def run_row(name, mode, variants, layers, steps, rounds, results, log, profile=0, before_timing=lambda: None,
             min_run_s=0.0, min_timing_s=0.0):
     """One row in one mode, every variant in this process: each variant gets its own model and
@@ -496,12 +495,13 @@ def main(argv=None):
     modes, variants = args.modes.split(","), args.variants.split(",")
     if any(v not in ALL_VARIANTS for v in variants):
         parser.error(f"unknown variants in {variants}; known: {list(ALL_VARIANTS)}")
+    more = ([f"at least {args.min_run_ms:g} ms a run"] if args.min_run_ms else []) + (
+        [f"{args.min_timing_s:g} s of runs a row, up to {MAX_ROUNDS} rounds"] if args.min_timing_s else [])
     header = (f"GPU {torch.cuda.get_device_name()} | torch {torch.__version__} | transformers "
               f"{transformers.__version__} | {time.strftime('%Y-%m-%d')} | bf16 (rows -fp32-: "
               f"fp32, -amp-: fp32 weights + bf16 autocast) | Llama {args.layers} layers | median (best) of "
               f"{args.rounds} interleaved runs of {args.steps} steps"
-              + (f" (or more: at least {args.min_run_ms:g} ms a run, {args.min_timing_s:g} s of runs a row, up to "
-                 f"{MAX_ROUNDS} rounds; the log gives each row's)" if args.min_run_ms or args.min_timing_s else ""))
+              + (" (or more: " + ", ".join(more) + "; the log gives each row's)" if more else ""))
     if args.worker:
         return run_worker(args, variants)
     print(header, flush=True)
