@@ -197,13 +197,25 @@ def _as_sdpa(plugin: dict) -> str:
     return f" ({n} as SDPA)" if n else ""
 
 
+def merged_header(header: str) -> str:
+    """One line from zoo.py --merge's header (one line per merged file): the fields all lines share
+    once, then each line's own fields, joined by "; " (e.g. default mode's rounds, then CUDA graphs')."""
+    lines = [[f.strip() for f in line.split("|")] for line in header.splitlines() if line.strip()]
+    if len(lines) < 2:
+        return header.strip()
+    n = 0
+    while all(len(x) > n + 1 and x[n] == lines[0][n] for x in lines):
+        n += 1
+    return " | ".join(lines[0][:n] + ["; ".join(" | ".join(x[n:]) for x in lines)])
+
+
 def zoo_section(data: dict) -> list[str]:
     z = data["zoo"]
     out = ["### Zoo (timm models)", ""]
     if not z.get("results"):
         return out + [f"Not measured yet: `{z['command']}`, then `{z['import']}`."]
     res = z["results"]
-    out += [f"{res.get('header', '')}; plugin / best = plugin over the better of stock compile and timm's "
+    out += [f"{merged_header(res.get('header', ''))}; plugin / best = plugin over the better of stock compile and timm's "
             "fused path + compile (medians). " + setup_line(z["provenance"]), ""]
     variants = [v for v in res.get("variants", []) if v != "eager"]
 

@@ -154,3 +154,10 @@ def test_chart_draws(data, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_a_merged_zoo_header_is_one_line():
+    # zoo.py --merge keeps each file's header (a line each): shared fields once, then each line's own
+    merged = "GPU | bf16 | 2026-12-07 | img/s, 30 runs of 2 steps\nGPU | bf16 | 2026-12-07 | img/s, 5 runs of 10 steps"
+    assert current.merged_header(merged) == "GPU | bf16 | 2026-12-07 | img/s, 30 runs of 2 steps; img/s, 5 runs of 10 steps"
+    assert current.merged_header("GPU | bf16 | one line") == "GPU | bf16 | one line"
