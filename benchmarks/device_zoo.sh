@@ -11,7 +11,7 @@
 # Writes $OUT/zoo_<modes>.{md,json,log}; prints the table last.
 source "$(dirname "$0")/device_setup.sh"
 M=${MODES:-default}
-F=${M//,/+}  # no commas in $OUT's names
+F=${M//,/_}  # no commas or pluses in $OUT's names: the device tool leaves such files behind (stop 54)
 ARGS=(--modes "$M" --tasks "${TASKS:-infer,train}" --parallel "${PARALLEL:-20}" --deadline "${DEADLINE:-530}")
 [ -n "${MODELS:-}" ] && ARGS+=(--models "$MODELS")
 [ -n "${ROUNDS:-}" ] && ARGS+=(--rounds "$ROUNDS")
