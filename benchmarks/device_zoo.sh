@@ -3,7 +3,8 @@
 #   MODES=default bash benchmarks/device_zoo.sh      (from the repo root; $OUT: where results go)
 # MODELS (comma-separated, default all), TASKS, MODES, PARALLEL (default 20), DEADLINE (s, default 530),
 # PREPASS (N: every (row, variant) compiled alone first, N at a time; PREPASS_LIMIT s, default 240),
-# ROUNDS (zoo.py's --rounds, default 5), STEPS (its --steps, default 10), VARIANTS (zoo.py's --variants),
+# ROUNDS (zoo.py's --rounds, default 5), STEPS (its --steps, default 10), WARM (its --warm-steps, untimed
+# steps before each timed run), VARIANTS (zoo.py's --variants),
 # PROFILE (N profiled steps per variant).
 # On a machine of several GPUs the rows build spread over them and still time one at a time.
 # A one-GPU, 16-core machine builds ~16 of default mode's 20 rows in one call (stop 41, H100):
@@ -15,7 +16,8 @@ F=${M//,/_}  # no commas or pluses in $OUT's names: the device tool leaves such 
 ARGS=(--modes "$M" --tasks "${TASKS:-infer,train}" --parallel "${PARALLEL:-20}" --deadline "${DEADLINE:-530}")
 [ -n "${MODELS:-}" ] && ARGS+=(--models "$MODELS")
 [ -n "${ROUNDS:-}" ] && ARGS+=(--rounds "$ROUNDS")
-[ -n "${STEPS:-}" ] && ARGS+=(--steps "$STEPS")  # e.g. STEPS=2 ROUNDS=30: host-bound rows paired finer
+[ -n "${STEPS:-}" ] && ARGS+=(--steps "$STEPS")  # STEPS=2 ROUNDS=30 times host-bound rows' first steps (stop 54)
+[ -n "${WARM:-}" ] && ARGS+=(--warm-steps "$WARM")  # e.g. WARM=3 STEPS=5 ROUNDS=20: short rounds, steady steps
 [ -n "${VARIANTS:-}" ] && ARGS+=(--variants "$VARIANTS")  # e.g. compile,fused+compile,plugin-fused
 [ -n "${PROFILE:-}" ] && ARGS+=(--profile "$PROFILE")  # N steps profiled per variant (host/GPU time, top kernels)
 [ -n "${PREPASS:-}" ] && ARGS+=(--prepass "$PREPASS" --prepass-limit "${PREPASS_LIMIT:-240}")

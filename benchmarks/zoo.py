@@ -30,7 +30,8 @@ plugin (its SDPA call sites weighed by the choice, issue 30), with its own ratio
 graph: Dynamo's cache is keyed on the plugin's switches, fuse_plugin/dynamo_cache.py). Method as shapes.py: every variant of a row is built in one
 process (its own model, seeded alike, compiled with 3 warm-up steps), then ``--rounds`` rounds in
 which the variants take turns (each round starting one variant later, common.round_order), each
-running ``--steps`` steps synchronised once, the garbage collector off inside a timed run; a cell
+running ``--steps`` steps synchronised once (after ``--warm-steps`` untimed ones, timed_round), the
+garbage collector off inside a timed run; a cell
 is the median of its rounds in images/s (best in brackets), ``plugin / best`` the plugin's median
 over the better of compile and fused+compile, and in brackets the paired ratio (``paired_ratio``:
 the median over rounds of the plugin against the faster stock run of the same round; host noise
@@ -467,8 +468,7 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
     for i in range(args.rounds):
         for variant in round_order(list(steps), i):
             with _variant_context(variant):
-                times[variant].append(timed_run(steps[variant][0], args.steps, lambda: sync(args.device),
-                                                issued[variant]))
+                times[variant].append(timed_round(steps[variant][0], args, issued[variant]))
     row["recompiles"], row["timing_s"] = graphs_compiled() - graphs, time.perf_counter() - t1
     for variant, rounds in times.items():
         ts, cell = sorted(rounds), row["variants"][variant]
@@ -498,6 +498,19 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
 # --------------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------------
+
+
+def timed_round(step, args, issued: list) -> float:
+    """One variant's turn in a round: ``--warm-steps`` untimed steps and a sync, then
+    ``--steps`` timed ones (common.timed_run). The first steps after another variant's turn run
+    slower on a host-bound row (two-step rounds timed cait_xxs24 and xcit_nano training at
+    0.59-0.73 of their ten-step speed, every variant alike, H100, stop 54): warm steps keep rounds
+    short and many (paired finer) and still time the steady state a training run sees."""
+    for _ in range(args.warm_steps):
+        step()
+    if args.warm_steps:
+        sync(args.device)
+    return timed_run(step, args.steps, lambda: sync(args.device), issued)
 
 
 def issue_ms(row, variant, steps) -> str:
@@ -604,7 +617,8 @@ def worker_argv(args, row, prefix, variants=None) -> list[str]:
     model, task, mode = row
     argv = [sys.executable, os.path.abspath(__file__), "--models", model, "--tasks", task, "--modes", mode,
             "--variants", ",".join(variants or args.variants), "--batch", str(args.batch), "--steps",
-            str(args.steps), "--rounds", str(args.rounds if prefix else 0), "--profile",
+            str(args.steps), "--warm-steps", str(args.warm_steps), "--rounds", str(args.rounds if prefix else 0),
+            "--profile",
             str(args.profile if prefix else 0)]
     return argv + (["--worker", prefix] if prefix else []) + (["--cpu"] if args.device == "cpu" else [])
 
@@ -654,6 +668,8 @@ def parse(argv=None):
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(ALL_VARIANTS)}")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed run")
+    parser.add_argument("--warm-steps", type=int, default=0, metavar="N",
+                        help="untimed steps before each timed run (timed_round)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="interleaved timed runs per variant (0: compile and warm up only)")
     parser.add_argument("--prepass", type=int, default=0, metavar="N",
@@ -721,7 +737,8 @@ def header_of(args) -> str:
     where = (f"{torch.cuda.get_device_name()} | bf16" if args.device == "cuda"
              else "CPU | fp32 | a smoke run, NOT a benchmark")
     return (f"{where} | torch {torch.__version__} | timm {timm_version} | {time.strftime('%Y-%m-%d')} | batch "
-            f"{args.batch} | img/s, median (best) of {args.rounds} interleaved runs of {args.steps} steps")
+            f"{args.batch} | img/s, median (best) of {args.rounds} interleaved runs of {args.steps} steps"
+            + (f" after {args.warm_steps} untimed" if args.warm_steps else ""))
 
 
 def main(argv=None):

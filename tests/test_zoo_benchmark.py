@@ -139,6 +139,31 @@ def test_rounds_rotate_and_the_paired_ratio():
     assert zoo.paired_ratio(row) is None
 
 
+def test_warm_steps_run_untimed_before_each_timed_run(monkeypatch):
+    """--warm-steps: each turn runs its untimed steps and a sync first, then --steps timed ones,
+    and the timed wall covers only those (the steady state, not the first steps after another
+    variant's turn); rows' workers get the flag too."""
+    import time as _time
+
+    calls, syncs = [], []
+    monkeypatch.setattr(zoo, "sync", lambda device: syncs.append(len(calls)))
+    args = zoo.parse(["--cpu", "--models", "tiny", "--steps", "2", "--warm-steps", "3"])
+    assert args.warm_steps == 3 and zoo.parse([]).warm_steps == 0
+    slow = iter([0.05] * 3 + [0.0] * 2)  # the three warm steps are slow, the timed ones not
+
+    def step():
+        calls.append(1)
+        _time.sleep(next(slow))
+
+    issued = []
+    wall = zoo.timed_round(step, args, issued)
+    assert len(calls) == 5 and syncs == [3, 5]  # warm steps, a sync, the timed steps, a sync
+    assert wall < 0.05 and len(issued) == 1  # the warm steps' 0.15 s is not in the timed wall
+    argv = zoo.worker_argv(args, ("tiny", "infer", "default"), "p")
+    assert argv[argv.index("--warm-steps") + 1] == "3"
+    assert "after 3 untimed" in zoo.header_of(args)
+
+
 def test_shapes_runs_last_at_least_min_run():
     """shapes.py's steps per run: --steps, or more where the row's fastest variant ran them in
     less than --min-run-ms, so that every variant's run lasts at least that long."""
