@@ -618,8 +618,7 @@ def worker_argv(args, row, prefix, variants=None) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), "--models", model, "--tasks", task, "--modes", mode,
             "--variants", ",".join(variants or args.variants), "--batch", str(args.batch), "--steps",
             str(args.steps), "--warm-steps", str(args.warm_steps), "--rounds", str(args.rounds if prefix else 0),
-            "--profile",
-            str(args.profile if prefix else 0)]
+            "--profile", str(args.profile if prefix else 0)]
     return argv + (["--worker", prefix] if prefix else []) + (["--cpu"] if args.device == "cpu" else [])
 
 
