@@ -35,13 +35,17 @@ def fuse_plugin_backend(gm: torch.fx.GraphModule, example_inputs: list, *, mode:
         config_patches.setdefault(STATIC_LAUNCH_OPTION, True)
     if config_patches.get(STATIC_LAUNCH_OPTION) and settings.static_launch_workers():
         static_launch.install()  # the option also for our kernels a compile worker builds
-    if settings.rewrite_enabled():
-        rewrite(gm)
-        if torch.distributed.is_available():  # under PyTorch's context_parallel(...): our sites to the ring
-            from .ops.context_parallel import route_if_distributed
-
-            route_if_distributed(gm)
     from torch._inductor import config
+
+    if settings.rewrite_enabled():
+        # under the compile's options, as the automatic patch's pass runs inside compile_fx: the
+        # choice reads whether the graph is replayed as a CUDA graph (patterns/choice.py)
+        with config.patch(config_patches):
+            rewrite(gm)
+            if torch.distributed.is_available():  # under PyTorch's context_parallel(...): our sites to the ring
+                from .ops.context_parallel import route_if_distributed
+
+                route_if_distributed(gm)
 
     from .inductor_attention import AttentionGatePass
 

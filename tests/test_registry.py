@@ -156,7 +156,8 @@ def test_the_shipped_table_takes_our_kernels_for_class_attention_in_default_mode
     """CaiT's class attention (one query against 197 keys, head dim 48; H100, stop 49): cuDNN is
     1 us faster on the GPU both ways, our kernels cheaper to issue; in default mode (the host's
     time the larger) the choice takes ours, as CaiT-XXS24 training measured it faster (0.976 of
-    stock compile's host time a step against cuDNN's 1.036); under CUDA graphs cuDNN."""
+    stock compile's host time a step against cuDNN's 1.036); under CUDA graphs cuDNN (the site in
+    training an SDPA call by rule: test_a_replayed_training_step_takes_sdpa_below_cudnns_backward_rule)."""
     entries = choice_table.entries_of(choice_table.path_for((9, 0)), "NVIDIA H100 80GB HBM3")
     entry = entries[choice_table.class_key(torch.bfloat16, 48, 48, 1, 197, "none", False, False)]
     for direction in ("fwd", "bwd"):
@@ -164,6 +165,111 @@ def test_the_shipped_table_takes_our_kernels_for_class_attention_in_default_mode
         assert min(device, key=device.get) == "cudnn"
         costs = choice_table.host_bound_costs(device, direction)
         assert choice_table.fastest_first(costs, device)[0] == "general", (direction, costs)
+
+
+def _class_attention_times() -> dict:
+    """The shipped H100 entry of CaiT's class attention as ``choice_table.lookup`` gives it."""
+    entries = choice_table.entries_of(choice_table.path_for((9, 0)), "NVIDIA H100 80GB HBM3")
+    return entries[choice_table.class_key(torch.bfloat16, 48, 48, 1, 197, "none", False, False)]
+
+
+def _class_attention(q, k, v):
+    """CaiT's class attention as timm writes it: one query (the class token) over every token."""
+    return ((q * 0.25) @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
+def _sites_of(fn, *args):
+    from fuse_plugin.patterns import attention
+
+    sites = []
+
+    def backend(gm, example_inputs):
+        sites.extend(attention.match_attention(n) for n in gm.graph.nodes if attention._is_softmax(n))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    return sites
+
+
+@pytest.mark.parametrize("lq, grad, replayed, as_sdpa", [
+    (1, True, True, True),  # CaiT-XXS24 training under CUDA graphs: SDPA by rule
+    (1, True, False, False),  # default mode: the table (our op)
+    (1, False, True, False),  # inference: the table (our op)
+    (160, True, True, False),  # at cuDNN's own backward rule's length: the table
+])
+def test_a_replayed_training_step_takes_sdpa_below_cudnns_backward_rule(monkeypatch, lq, grad, replayed, as_sdpa):
+    """Measured in a model (H100, stop 55): CaiT's class attention, whose table entry gives our op
+    cuDNN both ways (27.6 us alone, SDPA 28.4), ran CaiT-XXS24 training under CUDA graphs at 0.9969
+    of fused+compile; as SDPA calls 0.9990. Under CUDA graphs a training site the table gives cuDNN's
+    backward below its rule's length becomes an SDPA call; default mode, inference and longer
+    queries keep the table's choice."""
+    from torch._inductor import config
+
+    times = _class_attention_times()
+    q = torch.randn(2, 4, lq, 48, requires_grad=grad)
+    k, v = (torch.randn(2, 4, 197, 48, requires_grad=grad) for _ in range(2))
+    (site,) = _sites_of(_class_attention, q, k, v)
+    key, mode, _ = choice.class_of(site)
+    assert mode == ("train" if grad else "fwd")
+    assert choice.decide(site) == choice.Decision(True, "")  # the CPU: no table
+    monkeypatch.setattr(choice, "class_of", lambda s: (key, mode, torch.device("cuda")))
+    monkeypatch.setattr(choice_table, "lookup", lambda device, k: times)
+    with config.patch({"triton.cudagraphs": replayed}):
+        d = choice.decide(site)
+    assert d.ours and d.as_sdpa == as_sdpa, d
+    if as_sdpa:
+        assert d.reason.startswith("as SDPA by rule: training under CUDA graphs, 1 queries"), d.reason
+        assert "27.6 vs SDPA 28.4 us" in d.reason and "stop 55" in d.reason
+    else:
+        assert not d.reason.startswith("as SDPA by rule"), d.reason
+    # where SDPA alone trails our op by more than measured, the rule leaves the table's choice
+    slower = dict(times, sdpa={"fwd": 99.0, "train": 27.6 * choice.REPLAYED_SDPA_WITHIN + 1})
+    monkeypatch.setattr(choice_table, "lookup", lambda device, k: slower)
+    with config.patch({"triton.cudagraphs": True}):
+        assert not choice.decide(site).as_sdpa
+
+
+def test_the_backend_rewrites_under_the_compiles_options(monkeypatch):
+    """backend="fuse_plugin" rewrites the Dynamo graph before compile_fx applies the mode's options:
+    it rewrites under them, so that the choice sees CUDA graphs (mode="reduce-overhead") as the
+    automatic patch's pass (inside compile_fx) does; end to end on the CPU, with the class's table
+    entry for any device, the class attention trains as an SDPA call with eager's numbers."""
+    from torch._inductor import config
+
+    from fuse_plugin import backend as backend_module
+
+    seen = []
+    rewrite = backend_module.rewrite
+
+    def recording(gm):
+        seen.append(config.triton.cudagraphs)
+        return rewrite(gm)
+
+    monkeypatch.setattr(backend_module, "rewrite", recording)
+    times = _class_attention_times()
+    monkeypatch.setattr(choice_table, "lookup", lambda device, k: times)
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 1, 48, requires_grad=True)
+    k, v = (torch.randn(2, 4, 197, 48, requires_grad=True) for _ in range(2))
+    want = _class_attention(q, k, v)
+    want.sum().backward()
+    want_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    for mode, sdpa in (("reduce-overhead", 1), (None, 0)):
+        counters.clear()
+        torch._dynamo.reset()
+        got = torch.compile(_class_attention, backend="fuse_plugin", mode=mode)(q, k, v)
+        got.sum().backward()
+        assert seen[-1] is (mode == "reduce-overhead")
+        assert counters["fuse_plugin"]["attention"] == 1
+        assert counters["fuse_plugin"]["attention_as_sdpa"] == sdpa, mode
+        check_close("out", got, want, 1e-5)
+        for name, t, g in zip(("dq", "dk", "dv"), (q, k, v), want_grads):
+            check_close(name, t.grad, g, 1e-4)
+            t.grad = None
+    assert config.triton.cudagraphs is False  # the options stay the compile's
 
 
 def test_the_shipped_table_leaves_xcit_cross_covariance_to_inductor(tmp_path, monkeypatch):

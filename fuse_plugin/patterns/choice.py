@@ -14,6 +14,10 @@ backward (training). The fastest takes the site:
   softcap or finite fill, attention.why_not_sdpa) -- e.g. timm's windows, whose fused path is
   SDPA, or dropout, which cuDNN runs faster than our kernels.
 
+In a training step replayed as a CUDA graph, a site the table gives cuDNN's backward below that
+family's own length rule becomes an SDPA call (``_replayed_step_rule``: measured in a model, CaiT's
+class attention).
+
 Where the class was not measured: a measured rule (``_rule``: Swin-T's windows, which our general
 kernels ran at 0.46x stock compile, are left to Inductor) or else our op, as every family's own
 rules were measured faster than the decomposition where they apply (RESULTS.md); off the GPU, our
@@ -179,7 +183,11 @@ def decide(site) -> Decision:
         rule = _rule(site)
         if rule is not None:
             return Decision(False, rule)
-    return decide_from(times, mode, key, sdpa_ok=no_sdpa is None, band=_band(site), gqa=site.kv_groups > 1)
+    band = _band(site)
+    replayed = _replayed_step_rule(site, times, mode, sdpa_ok=no_sdpa is None and not band)
+    if replayed is not None:
+        return replayed
+    return decide_from(times, mode, key, sdpa_ok=no_sdpa is None, band=band, gqa=site.kv_groups > 1)
 
 
 # Measured rules, for classes the choice table does not hold (on the GPU). Each says where it
@@ -203,6 +211,53 @@ _WINDOW_RULE = ("left to Inductor by rule: windows of <= 64 tokens, head dim <= 
 WINDOW_RULE_MIN_KEYS = 16384
 _WINDOW_MEASURED = ("a sliding window of {w} over {l} keys: the kernels skip the blocks it hides (measured "
                     "4.3-13x faster than SDPA with the band as a mask at 16k-32k tokens, bf16, H200 and H100)")
+
+
+# A training step replayed as a CUDA graph (issue 28, H100, torch 2.11, bf16, stop 55; zoo.py
+# cait_xxs24 training under reduce-overhead, 24 interleaved rounds of 5 steps after 3 untimed, all
+# variants in one process). CaiT's class attention (1 query, 197 keys, head dim 48) measured alone,
+# the table puts our op on cuDNN both ways (27.6 us a site, SDPA 28.4, our general kernels 29.6);
+# in the model that choice ran at 0.9969 of fused+compile paired (faster in 1 round of 24), the sites
+# as SDPA calls at 0.9990, our general kernels at 0.9997, fused+compile compiled twice at 1.0011.
+# The 0.1 ms a step it lost is more than the 2 sites' whole time alone: below cuDNN's own backward
+# rule (attention_cudnn.BWD_MIN_LEN queries), where only the table's isolated times put it, cuDNN's
+# backward does not keep its lead inside a replayed training step. There the site becomes an SDPA
+# call (the fastest alone but for cuDNN through our op, which it trails by 3%). Default mode has its
+# own measured choice (the host's time a call, choice_table.host_bound_costs: our general kernels).
+_REPLAYED_RULE = ("as SDPA by rule: training under CUDA graphs, {lq} queries (cuDNN's backward, which the table "
+                  "measured fastest alone, {ours:.1f} vs SDPA {sdpa:.1f} us, trailed SDPA in the model below "
+                  "{least} queries: CaiT-XXS24 0.9969 vs 0.9990 of fused+compile; issue 28, H100, stop 55; {key})")
+
+# How far behind our op alone SDPA may be for the rule to take it: measured at 1.027 (CaiT's class
+# attention); a class where SDPA alone trails further was not measured in a model.
+REPLAYED_SDPA_WITHIN = 1.05
+
+
+def _graph_replayed() -> bool:
+    """Is the graph compiled for CUDA-graph replay (mode="reduce-overhead" or the option)? Both
+    entry points rewrite under the compile's Inductor options (backend.py, autopatch.py)."""
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
+
+
+def _replayed_step_rule(site, times: Optional[dict], mode: str, sdpa_ok: bool) -> Optional[Decision]:
+    """An SDPA call for a training site that the table gives cuDNN's backward below its own rule's
+    length, in a graph replayed as a CUDA graph (see above); None where the rule does not apply."""
+    from ..kernels import attention_cudnn
+
+    if mode != "train" or not sdpa_ok or not times or site.kv_groups > 1 or not _graph_replayed():
+        return None
+    lq = _hint(site.q.value().shape[-2])
+    bwd, sdpa = times.get("bwd", {}), times.get(choice_table.SDPA, {}).get("train")
+    if lq >= attention_cudnn.BWD_MIN_LEN or not bwd or sdpa is None or min(bwd, key=bwd.get) != "cudnn":
+        return None
+    ours = ours_time(times, mode)
+    if ours is None or sdpa > ours[0] * REPLAYED_SDPA_WITHIN:
+        return None
+    key = class_of(site)[0]
+    return Decision(True, _REPLAYED_RULE.format(lq=lq, ours=ours[0], sdpa=sdpa,
+                                                least=attention_cudnn.BWD_MIN_LEN, key=key), as_sdpa=True)
 
 
 def site_device(site) -> torch.device:
