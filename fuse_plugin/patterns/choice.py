@@ -184,7 +184,7 @@ def decide(site) -> Decision:
         if rule is not None:
             return Decision(False, rule)
     band = _band(site)
-    replayed = _replayed_step_rule(site, times, mode, sdpa_ok=no_sdpa is None and not band)
+    replayed = _replayed_step_rule(site, times, mode, key, sdpa_ok=no_sdpa is None and not band)
     if replayed is not None:
         return replayed
     return decide_from(times, mode, key, sdpa_ok=no_sdpa is None, band=band, gqa=site.kv_groups > 1)
@@ -241,7 +241,8 @@ def _graph_replayed() -> bool:
     return bool(config.triton.cudagraphs)
 
 
-def _replayed_step_rule(site, times: Optional[dict], mode: str, sdpa_ok: bool) -> Optional[Decision]:
+def _replayed_step_rule(site, times: Optional[dict], mode: str, key: Optional[str],
+                        sdpa_ok: bool) -> Optional[Decision]:
     """An SDPA call for a training site that the table gives cuDNN's backward below its own rule's
     length, in a graph replayed as a CUDA graph (see above); None where the rule does not apply."""
     from ..kernels import attention_cudnn
@@ -255,7 +256,6 @@ def _replayed_step_rule(site, times: Optional[dict], mode: str, sdpa_ok: bool) -
     ours = ours_time(times, mode)
     if ours is None or sdpa > ours[0] * REPLAYED_SDPA_WITHIN:
         return None
-    key = class_of(site)[0]
     return Decision(True, _REPLAYED_RULE.format(lq=lq, ours=ours[0], sdpa=sdpa,
                                                 least=attention_cudnn.BWD_MIN_LEN, key=key), as_sdpa=True)
 
