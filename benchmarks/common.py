@@ -10,6 +10,7 @@ import contextlib
 import os
 import sys
 import time
+from typing import Optional
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
@@ -166,11 +167,12 @@ def sdpa_autograd_ms(q, k, v, mask) -> dict:
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
-def profile_steps(step, n: int, title: str, top: int = 25) -> str:
+def profile_steps(step, n: int, title: str, top: int = 25, kernels_out: Optional[dict] = None) -> str:
     """--profile: where n steps of one cell spend their time, per step: the host's time to issue a
     step (median over n steps, each started on an idle GPU), then under the profiler: wall, the
     summed time and count of GPU kernels, the host's synchronising calls (any of SYNCS, with
-    their count), and the top kernels by GPU time (names cut to 60 characters)."""
+    their count), and the top kernels by GPU time (names cut to 60 characters). ``kernels_out``,
+    where given, receives every kernel's (us, count) per step by name (for ``kernel_diff``)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -199,12 +201,32 @@ def profile_steps(step, n: int, title: str, top: int = 25) -> str:
             t, c = syncs.get(e.name, (0.0, 0))
             syncs[e.name] = (t + e.cpu_time_total, c + 1)
     gpu = sum(e.device_time for e in kernels) / n
+    if kernels_out is not None:
+        kernels_out.update({k: (t / n, c / n) for k, (t, c) in by_name.items()})
     lines = [f"[profile] {title}: host issue {issue * 1e6:.0f} us/step (median), wall {wall * 1e6:.0f} "
              f"us/step, GPU {gpu:.0f} us in {len(kernels) / n:.0f} kernels/step; syncs/step: "
              + (", ".join(f"{k} {c / n:.1f}x {t / n:.0f}us" for k, (t, c) in syncs.items()) or "none")]
     for k, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"[profile]   {t / n:8.1f} us x{c / n:<5.1f} {k}")
     lines += _host_lines(prof, n, top)
+    return "\n".join(lines)
+
+
+def kernel_diff(base: dict, other: dict, title: str, least_us: float = 1.0, top: int = 15) -> str:
+    """Where two profiled cells' GPU time differs (``profile_steps``' ``kernels_out`` of each, per
+    step): the total, then the kernels whose time differs by at least ``least_us`` (a kernel only
+    one cell runs included), largest difference first. Finds what one route of a row adds to a
+    step that the other's does not run (stop 55: a cost outside the sites' own kernels)."""
+    total = sum(t for t, _ in other.values()) - sum(t for t, _ in base.values())
+    rows = []
+    for name in set(base) | set(other):
+        (tb, cb), (to, co) = base.get(name, (0.0, 0.0)), other.get(name, (0.0, 0.0))
+        if abs(to - tb) >= least_us:
+            rows.append((to - tb, name, cb, co))
+    lines = [f"[diff] {title}: GPU {total:+.1f} us/step; kernels differing by >= {least_us:g} us "
+             f"({len(rows)}, largest {min(top, len(rows))}):"]
+    for d, name, cb, co in sorted(rows, key=lambda r: -abs(r[0]))[:top]:
+        lines.append(f"[diff]   {d:+8.1f} us (x{cb:.1f} -> x{co:.1f}) {name}")
     return "\n".join(lines)
 
 

@@ -44,7 +44,9 @@ where the choice made N of the fused ones SDPA calls (``["attention_as_sdpa"]``)
 plugin's logits of its first warm-up step against the eager hand-written model's, same weights,
 same dtype (max |diff|, and that over max |eager logit|; printed, never a failure); ``graphs`` =
 Dynamo graphs compiled per variant, in column order (more than 1: a graph break or a recompile);
-``recompiles`` = graphs compiled during the timed rounds (must be 0). The JSON (``--json``) has
+``recompiles`` = graphs compiled during the timed rounds (must be 0); each variant's build logs its
+CUDA-graph skips (``counters["inductor"]["cudagraph_skips"]``: a graph that reduce-overhead runs
+without CUDA graphs, every kernel issued by the host; in the JSON too). The JSON (``--json``) has
 every number: each variant's rounds (wall, and the host's issue time before each round's sync: a
 row whose two are close is host-bound; printed per row in the log), compile seconds, parity; each
 row's build wall and CPU seconds, timing seconds, peak GPU memory reserved.
@@ -99,8 +101,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from common import (emit, paired_median, prepass, profile_steps, room_for_compiles, round_order, run_waves, switch_of,
-                    timed_run, wait_for_turn)
+from common import (emit, kernel_diff, paired_median, prepass, profile_steps, room_for_compiles, round_order,
+                    run_waves, switch_of, timed_run, wait_for_turn)
 from torch import nn
 
 VARIANTS = ("compile", "fused+compile", "plugin")
@@ -355,6 +357,23 @@ def _as_sdpa(plugin: dict) -> str:
     return f" ({n} as SDPA)" if n else ""
 
 
+def cudagraph_skips() -> int:
+    """Graphs Inductor compiled for CUDA graphs but ran without them (a CPU tensor, a mutation...):
+    such a variant under reduce-overhead issues every kernel from the host."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    return int(_counters()["inductor"]["cudagraph_skips"])
+
+
+def log_kernel_diffs(kernels: dict, title: str, log) -> None:
+    """--profile: each profiled variant's GPU kernels against the stock reference's (timm's fused
+    path where the row has one, else stock compile): what a route adds to or saves from a step."""
+    ref = next((v for v in ("fused+compile", "compile") if v in kernels), None)
+    for variant, ks in kernels.items() if ref else ():
+        if variant != ref:
+            log(kernel_diff(kernels[ref], ks, f"{title} {variant} - {ref}"))
+
+
 def plugin_counts() -> dict[str, int]:
     c = _counters()["fuse_plugin"]
     return {k: int(c.get(k, 0)) for k in ("attention", "attention_as_sdpa", "attention_left", "rotary", "sdpa",
@@ -387,13 +406,14 @@ def build_variant(model_name, variant, task, mode, images, labels, ref, args):
         fn = torch.compile(model, backend=backend, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True) if task == "train" else None
     step = make_step(fn, task, images, labels, opt, mode == "reduce-overhead" and variant != "eager")
-    graphs, counts = graphs_compiled(), plugin_counts() if variant in PLUGIN else None
+    graphs, counts, skips = graphs_compiled(), plugin_counts() if variant in PLUGIN else None, cudagraph_skips()
     with _variant_context(variant), switch_of(spelled):
         logits = step(capture=True)  # compiles; its logits are of the weights `ref` saw
         for _ in range(2):  # CUDA graphs record on the 2nd/3rd call
             step()
     sync(args.device)
-    cell = {"compile_s": time.perf_counter() - t0, "graphs": graphs_compiled() - graphs, **parity(logits, ref)}
+    cell = {"compile_s": time.perf_counter() - t0, "graphs": graphs_compiled() - graphs,
+            "cudagraph_skips": cudagraph_skips() - skips, **parity(logits, ref)}
     if variant in PLUGIN:
         after = plugin_counts()
         cell.update({k: after[k] - counts[k] for k in counts})
@@ -441,7 +461,8 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
             steps[variant] = (step, kept)
             row["variants"][variant] = cell
             log(f"  built {model_name} {task} {mode} {variant} in {cell['compile_s']:.0f} s: {cell['graphs']} "
-                f"graph(s), parity {cell['max_abs']:.2e} ({cell['rel']:.1e})"
+                f"graph(s), {cell['cudagraph_skips']} CUDA-graph skip(s), parity {cell['max_abs']:.2e} "
+                f"({cell['rel']:.1e})"
                 + (f", attention fused {cell['attention']} left {cell['attention_left']} rotary {cell['rotary']}"
                    if base(variant) in PLUGIN else ""))
         except Exception as e:  # reported in the table, the other variants still run
@@ -481,11 +502,14 @@ def run_row(model_name, task, mode, args, log, before_timing=lambda: None) -> di
     if "plugin-fused" in times:
         row["plugin_fused_vs_best"] = ratio(row, "plugin-fused")
         row["plugin_fused_vs_best_paired"] = paired_ratio(row, "plugin-fused")
+    kernels = {}  # variant -> {kernel: (us, count) per step}, for the diffs below
     for variant, (step, _kept) in steps.items() if args.profile and args.device == "cuda" else ():
         with _variant_context(variant):
-            row["variants"][variant]["profile"] = profile_steps(
-                step, args.profile, f"{model_name} {task} {mode} {variant}")
+            title = f"{model_name} {task} {mode} {variant}"
+            row["variants"][variant]["profile"] = profile_steps(step, args.profile, title,
+                                                                kernels_out=kernels.setdefault(variant, {}))
         log(row["variants"][variant]["profile"])
+    log_kernel_diffs(kernels, f"{model_name} {task} {mode}", log)
     log(f"  {model_name} {task} {mode}, ms a step, host issue / wall (medians): " + "  ".join(
         f"{v} {issue_ms(row, v, args.steps)}" for v in times))
     log(f"  {model_name} {task} {mode}: " + "  ".join(f"{v} {fmt_cell(row, v)}" for v in row["variants"])
@@ -684,7 +708,8 @@ def parse(argv=None):
                         help="batch 2, 1 round of 1 step, default mode (a smoke run, not a benchmark)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after a row's timed rounds, profile N steps of each variant (shapes.py's "
-                        "--profile: host issue time, GPU time, top kernels; printed and in the JSON)")
+                        "--profile: host issue time, GPU time, top kernels; printed and in the JSON), then "
+                        "log each variant's kernels that differ from the fused path's (or compile's)")
     parser.add_argument("--out", default=None, help="the markdown table")
     parser.add_argument("--json", default=None, help="every number, machine-readable")
     parser.add_argument("--merge", default=None, help="comma-separated --json files: print their rows' table")

@@ -134,3 +134,65 @@ def test_op_matches_reference(monkeypatch, B, Hq, Hkv, L, D, causal, which):
     with torch.no_grad():  # the inference form (need_lse=False: cuDNN computes its lse regardless), the same output
         out_inf = torch.ops.fuse_plugin.attention(q, k, v, None, 0.0, causal, scale, None, 0.0, None, 0, False)[0]
     check_close("out (need_lse=False)", out_inf, ref[0], 1e-2)
+
+
+class _ClassAttention(torch.nn.Module):
+    """CaiT's class attention, hand-written as timm writes it: the class token's one query over
+    every token (CaiT-XXS24: 4 heads of 48, 197 tokens)."""
+
+    def __init__(self, dim=192, heads=4):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.q, self.k, self.v, self.proj = (torch.nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        B, N, C = x.shape
+        H = self.heads
+        q = self.q(x[:, 0]).unsqueeze(1).reshape(B, 1, H, C // H).permute(0, 2, 1, 3)
+        k = self.k(x).reshape(B, N, H, C // H).permute(0, 2, 1, 3)
+        v = self.v(x).reshape(B, N, H, C // H).permute(0, 2, 1, 3)
+        attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(B, 1, C))
+
+
+@gpu
+@pytest.mark.parametrize("family", ["cudnn", "general"])
+def test_class_attention_trains_under_cuda_graphs_without_a_skip(monkeypatch, family):
+    """A training step compiled for CUDA graphs (reduce-overhead) with the site on cuDNN's family
+    (below its length rule: what the H100 table chose for CaiT's class attention until stop 55)
+    or our general kernels: the step is replayed as a CUDA graph (Inductor skips none: a skip would
+    issue every kernel from the host) and its gradients are as close to float64 as eager's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("FUSE_PLUGIN_ATTENTION_FAMILY", family)
+    monkeypatch.setenv("FUSE_PLUGIN_SITE_CHOICE", "ours")  # the op, not an SDPA call (choice.py)
+    traced = []
+    real = cudnn.backward
+    monkeypatch.setattr(cudnn, "backward", lambda *a, **kw: traced.append(1) or real(*a, **kw))
+    torch.manual_seed(0)
+    ref = _ClassAttention().cuda().double()
+    model = _ClassAttention().cuda().to(torch.bfloat16)
+    model.load_state_dict(ref.state_dict())
+    ref.load_state_dict(model.state_dict())  # the reference holds the bf16 weights, in float64
+    x = torch.randn(8, 197, 192, device="cuda", dtype=torch.bfloat16)
+
+    def grads(m, fn, dtype):
+        for p in m.parameters():
+            p.grad = None
+        torch.compiler.cudagraph_mark_step_begin()
+        fn(x.to(dtype)).float().pow(2).mean().backward()
+        return [p.grad.detach().double() for p in m.parameters()]
+
+    want, eager = grads(ref, ref, torch.float64), grads(model, model, torch.bfloat16)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="fuse_plugin", mode="reduce-overhead")
+    with torch._inductor.config.patch({"force_disable_caches": True}):  # traced here, not read from a cache
+        for _ in range(3):  # records, then replays
+            got = grads(model, compiled, torch.bfloat16)
+    assert counters["fuse_plugin"]["attention"] == 1 and not counters["fuse_plugin"]["attention_as_sdpa"]
+    assert bool(traced) == (family == "cudnn")  # the family the compiled backward took
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    for g, e, w in zip(got, eager, want):
+        err, eager_err = ((a - w).norm() / w.norm()).item(), ((e - w).norm() / w.norm()).item()
+        assert err <= max(2 * eager_err, 1e-2), (err, eager_err)

@@ -232,6 +232,7 @@ def test_row_in_process_eager_and_no_fused_path(monkeypatch):
     assert row["fused_path"] == {"_TinyAttention": 2} and row["recompiles"] == 0 and "error" not in row
     eager = row["variants"]["eager"]
     assert eager["max_abs"] == 0.0 and eager["graphs"] == 0 and eager["img_s"] > 0 and len(eager["rounds_s"]) == 1
+    assert eager["cudagraph_skips"] == 0  # counted per variant (a reduce-overhead graph run without CUDA graphs)
     # each round's host issue time, taken before its sync: never more than its wall time
     assert len(eager["issue_s"]) == 1 and 0 < eager["issue_s"][0] <= eager["rounds_s"][0]
     assert re.fullmatch(r"\d+\.\d / \d+\.\d", zoo.issue_ms(row, "eager", args.steps))
@@ -242,6 +243,28 @@ def test_row_in_process_eager_and_no_fused_path(monkeypatch):
     assert row["fused_path"] == {} and "error" not in row
     assert row["variants"]["fused+compile"] == {"same_as": "compile", "why": "no fused path"}
     assert zoo.img_s(row, "fused+compile") is None  # compile was not asked for: no number invented
+
+
+def test_kernel_diffs_name_what_a_route_adds_to_a_step():
+    """--profile's diffs: per kernel (us, count) a step, each variant against the fused path's."""
+    from common import kernel_diff
+
+    fused = {"gemm": (100.0, 4.0), "flash_fwd": (10.0, 2.0), "softmax": (0.4, 1.0)}
+    ours = {"gemm": (100.5, 4.0), "cudnn_fwd": (12.0, 2.0), "copy": (55.0, 2.0), "softmax": (0.2, 1.0)}
+    text = kernel_diff(fused, ours, "cait train ro plugin - fused+compile")
+    lines = text.splitlines()
+    assert lines[0] == ("[diff] cait train ro plugin - fused+compile: GPU +57.3 us/step; "
+                        "kernels differing by >= 1 us (3, largest 3):")
+    # largest first, a kernel only one side runs included; below 1 us (gemm, softmax) left out
+    assert [line.split()[-1] for line in lines[1:]] == ["copy", "cudnn_fwd", "flash_fwd"]
+    assert "+55.0 us (x0.0 -> x2.0) copy" in lines[1] and "-10.0 us (x2.0 -> x0.0) flash_fwd" in lines[3]
+    logged = []
+    zoo.log_kernel_diffs({"compile": fused, "fused+compile": fused, "plugin": ours}, "row", logged.append)
+    assert [line.splitlines()[0].split(":")[0] for line in logged] == [
+        "[diff] row compile - fused+compile", "[diff] row plugin - fused+compile"]
+    logged.clear()
+    zoo.log_kernel_diffs({"plugin": ours}, "row", logged.append)  # no stock variant profiled: nothing to diff
+    assert logged == []
 
 
 def test_model_names_exist_in_timm():
