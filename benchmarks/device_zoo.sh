@@ -25,4 +25,6 @@ ARGS=(--modes "$M" --tasks "${TASKS:-infer,train}" --parallel "${PARALLEL:-20}" 
 echo "zoo.py rc=$?"
 grep -E "pre-pass:|wave .*built" "$OUT/zoo_$F.log"
 grep -E "Traceback|Error" "$OUT/zoo_$F.log" | cut -c1-200 | head -5
+grep -E "[1-9][0-9]* CUDA-graph skip" "$OUT/zoo_$F.log" | cut -c1-160 | head -10  # a graph run without CUDA graphs
+grep -E "\[diff\]" "$OUT/zoo_$F.log" | cut -c1-160 | head -40  # PROFILE: kernels against the fused path's
 cat "$OUT/zoo_$F.md" 2>/dev/null || tail -30 "$OUT/zoo_$F.log"
