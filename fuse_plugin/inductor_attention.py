@@ -12,7 +12,12 @@ torch 2.11 and 2.13 have no switch for these patterns alone (`config.pattern_mat
 pattern pass, pad_mm and the misc patterns included), so each sfdp entry's `extra_check` gets wrapped
 in `_Gate`, which refuses the match while the compile is ours (`owns_attention`) and defers to
 Inductor's own check otherwise: stock compiles (no plugin, or inside `fuse_plugin.disabled()`) keep
-Inductor's behaviour. The entries are registered lazily, per device, right before the joint-graph
+Inductor's behaviour. A site the rewrite proved to be attention and left as stock compile has it
+(a `choice.Decision` with ``as_stock``: off CUDA, patterns/choice.off_cuda) is marked
+(`mark_as_stock`: a key in the node's ``meta["custom"]``, which AOTAutograd copies onto every node
+it traces from it); a match that takes a marked node passes the gate, so that such a site compiles
+as in a stock compile (nn.MultiheadAttention in inference on the CPU: 0.93x stock compile with the
+gate shut, benchmarks/cpu_sites.py, stop 57). The entries are registered lazily, per device, right before the joint-graph
 passes run, so the wrapping happens in our `joint_custom_pre_pass` (it runs after that lazy init and
 before the patterns), installed by the automatic patch and by the backend. This module imports
 passes.py (our pre-grad pass) and nothing of autopatch.py or backend.py, which import it.
@@ -38,14 +43,30 @@ def owns_attention() -> bool:
     return settings.rewrite_enabled() and isinstance(inductor_config.pre_grad_custom_pass, FusePluginPass)
 
 
+# The key `mark_as_stock` sets in a node's meta["custom"] (a dict AOTAutograd copies onto the nodes
+# it traces from that node: torch.fx.proxy._COPY_META_FIELDS).
+AS_STOCK = "fuse_plugin_as_stock"
+
+
+def mark_as_stock(node: fx.Node) -> None:
+    """Let Inductor's attention patterns take the site ``node`` belongs to (its softmax, or an
+    nn.MultiheadAttention call), as in a stock compile (module docstring)."""
+    node.meta["custom"] = {**(node.meta.get("custom") or {}), AS_STOCK: True}
+
+
+def _as_stock(match) -> bool:
+    return any((n.meta.get("custom") or {}).get(AS_STOCK) for n in getattr(match, "nodes", ()))
+
+
 class _Gate:
-    """An sfdp pattern's extra_check, refused while the plugin owns the compile."""
+    """An sfdp pattern's extra_check, refused while the plugin owns the compile, except on a site
+    left as stock compile has it (`mark_as_stock`)."""
 
     def __init__(self, check):
         self.check = check
 
     def __call__(self, match) -> Any:
-        if owns_attention():
+        if owns_attention() and not _as_stock(match):
             return False
         return self.check(match)
 

@@ -14,6 +14,7 @@ effect at the next compile; Inductor's caches key compiled graphs on ``key()`` b
 | FUSE_PLUGIN_ATTENTION_FAMILY | auto, a family name | every attention call runs this kernel family (kernels/registry.py names them); auto: chosen per problem | kernels/registry.py |
 | FUSE_PLUGIN_SITE_CHOICE | auto, ours, inductor, sdpa, sdpa_repeat | a matched site: the fastest measured of our op, the site as it is (Inductor's for a hand-written one, SDPA itself for an SDPA call) and, for a hand-written one, an SDPA call in its place (auto); always our op; never (left as written); or an SDPA call wherever the site can be one (sdpa; else our op; sdpa_repeat: a GQA site's k/v repeated for it, not enable_gqa) | patterns/choice.py |
 | FUSE_PLUGIN_ROTARY_SITES | auto, ours, off | a matched rotary embedding: left as written where a graph is compiled for CUDA with static shapes, the rotary rotates halves (rotate_half; interleaved pairs stay our op where nothing needs a gradient) and is not folded into an attention (auto: Inductor fuses that eager spelling into its neighbours, measured faster than our op's decomposition); always our op (ours); never (off) | patterns/choice.py |
+| FUSE_PLUGIN_CPU_SITES | auto, ours | a matched site (attention, rotary, nn.MultiheadAttention) whose tensors are not on CUDA: left as written (auto: there our ops run their plain-torch reference, measured 0.50-0.92x stock compile on the CPU, benchmarks/cpu_sites.py); rewritten as on CUDA (ours: the CPU test suite, the demo on the CPU). FUSE_PLUGIN_SITE_CHOICE=ours / sdpa and FUSE_PLUGIN_ROTARY_SITES=ours take precedence | patterns/choice.py |
 | FUSE_PLUGIN_SDPA_SITES | on, off | off: `F.scaled_dot_product_attention` calls are not read (else each one goes to our op where measured faster, patterns/sdpa.py) | patterns/sdpa.py |
 | FUSE_PLUGIN_KEY_PADDING_SKIP | auto, on, off | the general kernels skip the key blocks a per-key padding mask hides (kernels/key_range.py): auto where measured faster (at least 1024 keys and the work of a 32 x 12 x 1024 x 1024 problem), on from 256 keys, off: every key block visited and the padded ones masked | kernels/key_range.py |
 | FUSE_PLUGIN_STATIC_LAUNCH | on, off | graphs compiled by ``backend="fuse_plugin"`` launch our traced kernels through Inductor's static CUDA launcher, as Inductor launches its own (its ``static_launch_user_defined_triton_kernels``; paired 0.996-1.10x against Triton's launcher on six host-bound timm rows, benchmarks/RESULTS.md stop 43), except under CUDA graphs (no host launches to save) and where the graph holds a Triton kernel of the user's (that launcher takes no TMA descriptor, and may fail on theirs); a launch of ours with TMA descriptors leaves its op opaque; a torch without the option: no change | backend.py, kernels/launch.py |
@@ -58,6 +59,7 @@ ATTENTION_FAMILY = "FUSE_PLUGIN_ATTENTION_FAMILY"
 SITE_CHOICE = "FUSE_PLUGIN_SITE_CHOICE"
 SDPA_SITES = "FUSE_PLUGIN_SDPA_SITES"
 ROTARY_SITES = "FUSE_PLUGIN_ROTARY_SITES"
+CPU_SITES = "FUSE_PLUGIN_CPU_SITES"
 KEY_PADDING_SKIP = "FUSE_PLUGIN_KEY_PADDING_SKIP"
 STATIC_LAUNCH = "FUSE_PLUGIN_STATIC_LAUNCH"
 STATIC_LAUNCH_WORKERS = "FUSE_PLUGIN_STATIC_LAUNCH_WORKERS"
@@ -177,6 +179,13 @@ def rotary_sites() -> str:
     return choice(ROTARY_SITES, ("auto", "ours", "off"), "auto")
 
 
+def cpu_sites() -> str:
+    """What the rewrite does with a matched site whose tensors are not on CUDA
+    (`FUSE_PLUGIN_CPU_SITES`): "auto" (the default: left as written, patterns/choice.off_cuda) or
+    "ours" (rewritten as on CUDA, by the rest of the choice)."""
+    return choice(CPU_SITES, ("auto", "ours"), "auto")
+
+
 def sdpa_sites() -> bool:
     """Read `F.scaled_dot_product_attention` calls as attention sites (`FUSE_PLUGIN_SDPA_SITES`,
     default on; patterns/sdpa.py)? Off: they stay as they are and are not reported."""
@@ -247,5 +256,6 @@ def key() -> str:
     return (f"enabled={rewrite_enabled()},rope_attention={rope_attention_enabled()},"
             f"inductor_launch={inductor_launch()},table={attention_table()},"
             f"choices={choice_table()},family={attention_family()},site={site_choice()},"
-            f"sdpa={sdpa_sites()},rotary={rotary_sites()},key_padding_skip={key_padding_skip()},"
+            f"sdpa={sdpa_sites()},rotary={rotary_sites()},cpu_sites={cpu_sites()},"
+            f"key_padding_skip={key_padding_skip()},"
             f"static_launch={static_launch()},static_launch_workers={static_launch_workers()}")

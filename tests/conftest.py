@@ -15,6 +15,10 @@ if not torch.cuda.is_available():
 # The suite exercises the rope-into-attention fold (opt-in for users while it is slower than the
 # unfused pair); tests of the default set FUSE_PLUGIN_ROPE_ATTENTION=0 themselves.
 os.environ.setdefault("FUSE_PLUGIN_ROPE_ATTENTION", "1")
+# The suite exercises the rewrite on the CPU, where users' sites are left as written
+# (patterns/choice.off_cuda: our ops run their reference there); tests of that default set
+# FUSE_PLUGIN_CPU_SITES=auto themselves.
+os.environ.setdefault("FUSE_PLUGIN_CPU_SITES", "ours")
 
 
 import pytest  # noqa: E402

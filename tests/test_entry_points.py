@@ -251,9 +251,11 @@ def test_entry_point_and_import_do_not_clash():
 def test_demo_runs_from_a_source_tree_without_the_entry_point(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fuse_plugin", "demo", "--seq", "8", "--batch", "1"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, **_without_entry_point(tmp_path)})
+                       env={**{k: v for k, v in os.environ.items() if k != "FUSE_PLUGIN_CPU_SITES"},
+                            **_without_entry_point(tmp_path)})  # (as a user runs it: the suite's switch unset)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 attention" in r.stdout and "(OK, tolerance" in r.stdout, r.stdout[-2000:]
+    assert "FUSE_PLUGIN_CPU_SITES=ours" in r.stdout, r.stdout[-2000:]  # it says why it rewrites on the CPU
 
 
 def test_benchmarks_import_this_tree_from_a_source_tree(tmp_path):

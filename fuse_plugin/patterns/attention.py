@@ -70,6 +70,7 @@ import torch
 from torch import fx
 from torch._dynamo.utils import counters
 
+from ..inductor_attention import mark_as_stock
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
 from . import bias_table, choice, sinks as sink_form
 from .attention_bias import (ABSORBING, BiasTerm, CausalPart, MaskFill, build_bias, causal_or_bias, read_masks,
@@ -1560,6 +1561,8 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
             decision = choice.decide(site)
             gathers = bias_table.gathers_of(site)
             if not decision.ours:
+                if decision.as_stock:
+                    mark_as_stock(sm)
                 report.left_as_is(KIND, sm, decision.reason + bias_table.swap(gm, gathers, ctx))
                 continue
             detail = replace(gm, site, ctx, as_sdpa=decision.as_sdpa, repeat_kv=decision.repeat_kv) \

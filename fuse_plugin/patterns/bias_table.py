@@ -125,10 +125,11 @@ DETAIL = "bias table gathered by fuse_plugin.table_gather (its gradient added in
 
 def gathers_of(site) -> list[Gather]:
     """`find` for a matched site (hand-written or an SDPA call), before anything is replaced;
-    none with FUSE_PLUGIN_SITE_CHOICE=inductor (every site left as it is)."""
+    none with FUSE_PLUGIN_SITE_CHOICE=inductor (every site left as it is) or off CUDA, where the
+    op is an opaque call and the gradient it mends is unmeasured (choice.off_cuda)."""
     from . import choice  # (choice's module imports nothing of this one; kept late like attention's)
 
-    if settings.site_choice() == "inductor":
+    if settings.site_choice() == "inductor" or choice.off_cuda(site.q.value()) is not None:
         return []
     return find(site, choice.needs_grad(site))
 

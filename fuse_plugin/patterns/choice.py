@@ -20,8 +20,11 @@ class attention).
 
 Where the class was not measured: a measured rule (``_rule``: Swin-T's windows, which our general
 kernels ran at 0.46x stock compile, are left to Inductor) or else our op, as every family's own
-rules were measured faster than the decomposition where they apply (RESULTS.md); off the GPU, our
-op.
+rules were measured faster than the decomposition where they apply (RESULTS.md).
+
+Off CUDA (``off_cuda``), every site is left as written: our ops run their plain-torch reference
+there, opaque to Inductor, measured slower than stock compile (`FUSE_PLUGIN_CPU_SITES=ours`
+rewrites them as on CUDA: the CPU test suite, the demo).
 
 An SDPA call site (patterns/sdpa.py) is weighed against SDPA itself (`decide_sdpa`): it becomes our
 op only where that was measured faster for its class, and stays SDPA where nothing was measured.
@@ -59,6 +62,8 @@ class Decision:
     reason: str  # for explain / TORCH_LOGS; "" where there is nothing to say
     as_sdpa: bool = False  # rewritten into an SDPA call (measured faster than our op and Inductor)
     repeat_kv: bool = False  # that call with k/v repeated to the query heads, not enable_gqa (GQA)
+    as_stock: bool = False  # left as stock compile has it: Inductor's own attention patterns may take
+    # it too (inductor_attention.mark_as_stock; else they stay off in our compiles)
 
 
 def _hint(n) -> int:
@@ -174,6 +179,9 @@ def decide(site) -> Decision:
         return Decision(True, f"as SDPA ({settings.SITE_CHOICE}={how})", as_sdpa=True,
                         repeat_kv=how == "sdpa_repeat" and site.kv_groups > 1) if no_sdpa is None \
             else Decision(True, f"our op: no SDPA call computes {no_sdpa}")
+    off = off_cuda(site.q.value(), "to Inductor")
+    if off is not None:
+        return off
     windowed = _window_rule(site)
     if windowed is not None:
         return windowed
@@ -188,6 +196,31 @@ def decide(site) -> Decision:
     if replayed is not None:
         return replayed
     return decide_from(times, mode, key, sdpa_ok=no_sdpa is None, band=band, gqa=site.kv_groups > 1)
+
+
+# Off CUDA (issue 28, stop 57; benchmarks/cpu_sites.py on a 2-core CPU, torch 2.13.0, float32, every
+# variant in one process, 12 interleaved rounds; RESULTS.md "Stop 57"): our ops run their plain-torch
+# reference there, an opaque call that materialises the scores, where stock compile's Inductor
+# fuses the site (or its attention patterns swap in SDPA's CPU flash kernel). Our ops against stock
+# compile: the demo's Llama-style model (hidden 512, 2 layers) 0.78x / 0.79x at 1x512 (inference /
+# training), 0.90x at 4x128; a ViT-S-style block pair at 4x197 0.92x / 0.90x; a causal block pair at
+# 1x1024 0.62x / 0.53x; nn.MultiheadAttention at 8x197 0.95x / 0.84x. Every site left, with
+# Inductor's patterns free to take it (inductor_attention.mark_as_stock): 0.99-1.04x.
+_OFF_CUDA_RULE = ("left {how} by rule: on {device} our op runs its plain-torch reference, measured slower "
+                  "than stock compile (a Llama-style model 0.78-0.90x, a causal block at 1k tokens 0.53-0.62x; "
+                  "CPU, issue 28, stop 57; {switch}=ours rewrites it)")
+
+
+def off_cuda(value, how: str = "as written") -> Optional[Decision]:
+    """The decision for a site whose tensor ``value`` (an example value) is not on CUDA: left as
+    it is (module doc; ``how`` says so in the reason: "to Inductor", "as SDPA", "as written"), as
+    stock compile has it (``as_stock``: Inductor's own attention patterns may turn it into SDPA,
+    as they do there), unless FUSE_PLUGIN_CPU_SITES=ours; None on CUDA or where the value is
+    unknown."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "cuda" or settings.cpu_sites() == "ours":
+        return None
+    return Decision(False, _OFF_CUDA_RULE.format(how=how, device=value.device.type, switch=settings.CPU_SITES),
+                    as_stock=True)
 
 
 # Measured rules, for classes the choice table does not hold (on the GPU). Each says where it
@@ -398,14 +431,31 @@ def decide_rotary(x_value, folding: bool, interleaved: bool = False, out_value=N
         return Decision(True, "")
     if how == "off":
         return Decision(False, f"left as written ({settings.ROTARY_SITES}=off)")
+    off = off_cuda(x_value)
+    if off is not None:
+        return off
     if folding or not isinstance(x_value, torch.Tensor) or x_value.device.type != "cuda":
-        return Decision(True, "")  # measured on CUDA only; on the CPU the op runs our kernels or the reference
+        return Decision(True, "")  # measured on CUDA only; off CUDA (CPU_SITES=ours) our kernels or the reference
     if any(not isinstance(s, int) for s in x_value.shape):
         return Decision(True, "")  # symbolic sizes: the op stays an opaque call running our kernel
     if interleaved:
         training = not isinstance(out_value, torch.Tensor) or out_value.requires_grad
         return Decision(False, _ROTARY_TRAINING_RULE) if training else Decision(True, "")
     return Decision(False, _ROTARY_RULE)
+
+
+def decide_mha(query_value) -> Decision:
+    """Our op or the call as written for an `nn.MultiheadAttention` site (patterns/mha.py) whose
+    query's example value is ``query_value``: our op (as for a hand-written site: the call
+    computes its weights explicitly), except where FUSE_PLUGIN_SITE_CHOICE=inductor or off CUDA."""
+    how = settings.site_choice()
+    if how == "ours":
+        return Decision(True, "")
+    if how == "inductor":
+        return Decision(False, f"left as written ({settings.SITE_CHOICE}=inductor)")
+    if _context_parallel_on():
+        return Decision(True, _OURS_UNDER_CP)
+    return off_cuda(query_value) or Decision(True, "")
 
 
 def decide_sdpa(site) -> Decision:
@@ -418,6 +468,9 @@ def decide_sdpa(site) -> Decision:
         return Decision(False, f"left as SDPA ({settings.SITE_CHOICE}={how})")
     if _context_parallel_on():
         return Decision(False, _UNDER_CP)
+    off = off_cuda(site.q.value(), "as SDPA")
+    if off is not None:
+        return off
     windowed = _window_rule(site)
     if windowed is not None:
         return windowed

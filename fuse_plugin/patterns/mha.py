@@ -15,7 +15,8 @@ Masks as F.multi_head_attention_forward reads them: `key_padding_mask` (N, S) an
 bool keep mask (rows masked everywhere: NaN, as in eager), any float one makes them all additive
 (bool → -inf, as eager converts them).
 
-Left alone (a near miss with the reason): the weights used, unbatched inputs, bias_k / bias_v,
+Left as written (reported with the reason, `choice.decide_mha`): off CUDA, or with
+FUSE_PLUGIN_SITE_CHOICE=inductor. Left alone (a near miss with the reason): the weights used, unbatched inputs, bias_k / bias_v,
 add_zero_attn, separate projection weights, static k/v, is_causal, a head dim outside the kernels'.
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+from ..inductor_attention import mark_as_stock
 from ..ops import attention as _attention_op  # noqa: F401  (registers the op)
+from . import choice
 from .canon import dtype, example_value, shape, size_in_range
 from .graph_edit import NodeBuilder, erase_dead, graph_fake_mode
 from .report import Report
@@ -200,6 +203,12 @@ def rewrite(gm: fx.GraphModule, report: Report) -> None:
             r = match(n)
             if isinstance(r, str):
                 report.missed(KIND, n, r)
+                continue
+            decision = choice.decide_mha(example_value(r[0]["query"]))
+            if not decision.ours:
+                if decision.as_stock:
+                    mark_as_stock(n)
+                report.left_as_is(KIND, n, decision.reason)
                 continue
             detail = replace(gm, n, *r, fake_mode)
             report.replaced(KIND, n, detail)
