@@ -424,6 +424,16 @@ def choice_section(data: dict) -> list[str]:
     return out
 
 
+def cpu_section(data: dict) -> list[str]:
+    c = data["cpu"]
+    out = ["### On the CPU (issue 28)", "", f"{c['unit']}. " + setup_line(c["provenance"]), ""]
+    out += _table(["row", "compile ms", "plugin ms (x compile)", "ours ms (x compile)", "sites left / ours"],
+                  [[r["row"], r["ms"][0], f"{r['ms'][1]} ({r['vs_compile'][0]:.3f})",
+                    f"{r['ms'][2]} ({r['vs_compile'][1]:.3f})", f"{r['sites_left']} / {r['sites_ours']}"]
+                   for r in c["rows"]])
+    return out
+
+
 def current_section(data: dict) -> str:
     """RESULTS.md's "Current results" (between the markers)."""
     lines = ["## Current results", "",
@@ -431,7 +441,8 @@ def current_section(data: dict) -> str:
              "are in the history below (one section per stop). Generated from "
              "[results/current.json](results/current.json), which gives each entry's provenance.", ""]
     for part in (kernels_section, choice_section, shapes_section, zoo_section, sdpa_default_section, e2e_section,
-                 window_section, masks_section, generate_section, distributed_section, context_parallel_section):
+                 window_section, masks_section, generate_section, distributed_section, context_parallel_section,
+                 cpu_section):
         lines += part(data) + [""]
     return "\n".join(lines).rstrip() + "\n"
 

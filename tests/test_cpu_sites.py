@@ -108,8 +108,10 @@ def test_a_cuda_site_is_not_ruled_off(default):
 
 
 def _inductor_code(model, x, backend: str, train: bool) -> str:
+    """``backend``: "inductor" (stock: the plugin switched off), "fuse_plugin", or "autopatch"
+    (plain torch.compile with the plugin imported)."""
     torch._dynamo.reset()
-    fn = torch.compile(model, backend=backend)
+    fn = torch.compile(model, backend="inductor" if backend == "autopatch" else backend)
 
     def run():
         out = fn(x)
@@ -127,8 +129,9 @@ def _inductor_code(model, x, backend: str, train: bool) -> str:
     return re.sub(r"/tmp/\S+", "PATH", code)
 
 
-@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
-def test_left_sites_compile_to_stock_code(default, train):
+@pytest.mark.parametrize("train, entry", [(False, "fuse_plugin"), (False, "autopatch"), (True, "fuse_plugin")],
+                         ids=["inference", "inference-autopatch", "training"])
+def test_left_sites_compile_to_stock_code(default, train, entry):
     """The plugin's Inductor code equals stock compile's: nothing rewritten, and Inductor's own
     attention patterns take what they take in a stock compile (in inference, SDPA's kernel for
     the hand-written attention and nn.MultiheadAttention), where the gate would otherwise refuse
@@ -144,8 +147,10 @@ def test_left_sites_compile_to_stock_code(default, train):
         stock = _inductor_code(model, x, "inductor", train)
         taken_by_stock = counters["inductor"]["fuse_attention"]
         counters.clear()
-        ours = _inductor_code(model, x, "fuse_plugin", train)
+        ours = _inductor_code(model, x, entry, train)
         taken_in_ours = counters["inductor"]["fuse_attention"]
+        left = {k: counters["fuse_plugin"][k] for k in ("attention", "attention_left", "sdpa_left")}
+    assert left == {"attention": 0, "attention_left": 2, "sdpa_left": 1}, left  # the rewrite ran, and left them
     # the gate let them through (in inference; in training stock's patterns take none of these
     # sites on the CPU, torch 2.13)
     assert taken_in_ours == taken_by_stock and (taken_by_stock >= 1 or train)
