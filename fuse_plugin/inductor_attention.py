@@ -17,10 +17,12 @@ Inductor's behaviour. A site the rewrite proved to be attention and left as stoc
 (`mark_as_stock`: a key in the node's ``meta["custom"]``, which AOTAutograd copies onto every node
 it traces from it); a match that takes a marked node passes the gate, so that such a site compiles
 as in a stock compile (nn.MultiheadAttention in inference on the CPU: 0.93x stock compile with the
-gate shut, benchmarks/cpu_sites.py, stop 57). The entries are registered lazily, per device, right before the joint-graph
-passes run, so the wrapping happens in our `joint_custom_pre_pass` (it runs after that lazy init and
-before the patterns), installed by the automatic patch and by the backend. This module imports
-passes.py (our pre-grad pass) and nothing of autopatch.py or backend.py, which import it.
+gate shut, benchmarks/cpu_sites.py, stop 57).
+
+The entries are registered lazily, per device, right before the joint-graph passes run, so the
+wrapping happens in our `joint_custom_pre_pass` (it runs after that lazy init and before the
+patterns), installed by the automatic patch and by the backend. This module imports passes.py (our
+pre-grad pass) and nothing of autopatch.py or backend.py, which import it.
 """
 from __future__ import annotations
 

@@ -16,8 +16,9 @@ bool keep mask (rows masked everywhere: NaN, as in eager), any float one makes t
 (bool → -inf, as eager converts them).
 
 Left as written (reported with the reason, `choice.decide_mha`): off CUDA, or with
-FUSE_PLUGIN_SITE_CHOICE=inductor. Left alone (a near miss with the reason): the weights used, unbatched inputs, bias_k / bias_v,
-add_zero_attn, separate projection weights, static k/v, is_causal, a head dim outside the kernels'.
+FUSE_PLUGIN_SITE_CHOICE=inductor. Left alone (a near miss with the reason): the weights used,
+unbatched inputs, bias_k / bias_v, add_zero_attn, separate projection weights, static k/v,
+is_causal, a head dim outside the kernels'.
 """
 from __future__ import annotations
 
