@@ -178,3 +178,26 @@ def test_demo_says_it_rewrites_on_the_cpu(default, capsys):
     assert demo.run(["--seq", "8", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     assert f"the demo rewrites them with {settings.CPU_SITES}=ours" in out and "2 attention" in out, out
+
+
+def test_the_cpu_benchmark_times_the_three_ways(tmp_path):
+    """benchmarks/cpu_sites.py on its smallest row, one round: stock compile, the plugin leaving the
+    site, and the plugin with FUSE_PLUGIN_CPU_SITES=ours fusing it (the table of RESULTS.md stop 57)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != settings.CPU_SITES}  # the users' default
+    out = tmp_path / "cpu.json"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "cpu_sites.py"), "--rows", "mha-infer-8x197",
+                        "--rounds", "1", "--warm", "0", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["sites"]["compile"] == {}
+    assert row["sites"]["plugin"] == {"attention_left": 1}
+    assert row["sites"]["plugin@CPU_SITES=ours"] == {"attention": 1}
+    assert all(len(t) == 1 and t[0] > 0 for t in row["rounds_s"].values())
+    assert "| mha-infer-8x197 |" in r.stdout

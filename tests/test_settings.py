@@ -24,7 +24,7 @@ BOOLEANS = [  # (switch, reader, default)
 ]
 ALL_SWITCHES = (settings.AUTOPATCH, settings.INDUCTOR_LAUNCH, settings.ROPE_ATTENTION, settings.CPU_KERNELS,
                 settings.ATTENTION_TABLE, settings.CHOICE_TABLE, settings.ATTENTION_FAMILY, settings.SITE_CHOICE,
-                settings.STATIC_LAUNCH, settings.STATIC_LAUNCH_WORKERS)
+                settings.STATIC_LAUNCH, settings.STATIC_LAUNCH_WORKERS, settings.CPU_SITES)
 
 
 @pytest.fixture(autouse=True)
@@ -98,6 +98,12 @@ def test_choices(monkeypatch):
     monkeypatch.setenv(settings.SITE_CHOICE, "sometimes")
     with pytest.raises(ValueError, match="FUSE_PLUGIN_SITE_CHOICE must be one of auto, ours, inductor"):
         settings.site_choice()
+    assert settings.cpu_sites() == "auto"
+    monkeypatch.setenv(settings.CPU_SITES, " OURS")
+    assert settings.cpu_sites() == "ours"
+    monkeypatch.setenv(settings.CPU_SITES, "always")
+    with pytest.raises(ValueError, match="FUSE_PLUGIN_CPU_SITES must be one of auto, ours"):
+        settings.cpu_sites()
     monkeypatch.setenv(settings.CPU_KERNELS, "REFERENCE")
     assert settings.cpu_kernels() == "reference" and not _dispatch.cpu_runs_triton()
     monkeypatch.setenv(settings.CPU_KERNELS, "cuda")
@@ -145,7 +151,8 @@ def test_key_covers_what_changes_a_compiled_graph(monkeypatch):
     base = settings.key()
     for env, value in ((settings.ROPE_ATTENTION, "1"), (settings.INDUCTOR_LAUNCH, "off"),
                        (settings.ATTENTION_TABLE, "off"), (settings.CHOICE_TABLE, "/x.json"),
-                       (settings.ATTENTION_FAMILY, "general"), (settings.SITE_CHOICE, "ours")):
+                       (settings.ATTENTION_FAMILY, "general"), (settings.SITE_CHOICE, "ours"),
+                       (settings.CPU_SITES, "ours")):
         monkeypatch.setenv(env, value)
         assert settings.key() != base, env
         monkeypatch.delenv(env)
